@@ -1,0 +1,43 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+# Both create .venv if missing and install the pinned dependencies (torch first, so pip never
+# swaps in a multi-GB CUDA build), plus the apt packages DeepSpeed's async_io needs when root.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
+export WANDB_MODE ?= offline
+export DS_BUILD_OPS := 0
+
+.PHONY: run test install apt clean
+
+run: $(STAMP)
+	$(PY) -m models.sample --config configs/model/tiny.yaml --max-new-tokens 48
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory apt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required: megatron-core 0.16.1 and the CPU torch wheel are cp311)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	printf 'torch==2.13.0\n' > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	$(PY) -c "import torch, megatron.core, deepspeed, triton, hydra, wandb, transformers; print('installed torch', torch.__version__)"
+	touch $(STAMP)
+
+# libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. Installed only when root
+# and missing; otherwise say what to do instead of failing later with an obscure JIT error.
+apt:
+	@if dpkg -s libaio-dev >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing libaio-dev (DeepSpeed async_io)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; \
+	else echo "warning: libaio-dev is missing and we are not root: run 'sudo apt-get install libaio-dev' for NVMe offload"; fi
+
+clean:
+	rm -rf $(VENV) .cache outputs runs

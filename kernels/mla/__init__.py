@@ -1,0 +1,3 @@
+from kernels.mla.naive import naive_mla_attention, naive_mla_attention_absorbed
+
+__all__ = ["naive_mla_attention", "naive_mla_attention_absorbed"]

@@ -1,0 +1,167 @@
+"""Load and save Hugging Face-format checkpoint directories of Kimi Linear models.
+
+A directory holds `config.json` plus either `model.safetensors` or shards listed by
+`model.safetensors.index.json` ({"metadata": {"total_size": ...}, "weight_map": {name: file}}).
+The on-disk tensor layout is Moonshot's original one, which real Kimi-Linear checkpoints and
+transformers' `save_pretrained` of `kimi_linear` both use. Our module names equal it except for
+two rules (the whole name map):
+
+    ours                                   on disk
+    model.layers.N.mlp.<rest>          <-> model.layers.N.block_sparse_moe.<rest>   (dense MLPs too)
+    model.layers.N.self_attn.A_log [H] <-> model.layers.N.self_attn.A_log [1, 1, H, 1]
+
+Experts stay per-expert (`experts.N.w1/w2/w3.weight`), the short convs stay split
+(`q_conv1d/k_conv1d/v_conv1d.weight`, [channels, 1, kernel]), `A_log`/`dt_bias`/`f_a_proj`/`f_b_proj`
+sit directly under `self_attn`. Gated MLA's `o_gate_proj` is our extension (absent in Kimi Linear).
+Tensors keep their on-disk dtype unless a dtype is asked for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.config import ModelConfig
+from models.model import HybridLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MLP = re.compile(r"^(model\.layers\.\d+\.)mlp\.")
+_MOE = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.")
+# Kept in float32 whatever the model dtype, as in the reference (routing and decay are precision-sensitive).
+_FP32_SUFFIXES = ("e_score_correction_bias", "mlp.gate.weight", "dt_bias", "A_log")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory does not match the model its config describes."""
+
+
+def to_disk_name(name: str) -> str:
+    return _MLP.sub(r"\1block_sparse_moe.", name)
+
+
+def from_disk_name(name: str) -> str:
+    return _MOE.sub(r"\1mlp.", name)
+
+
+def _disk_shape(name: str, shape: torch.Size) -> tuple[int, ...]:
+    return (1, 1, shape[0], 1) if name.endswith("self_attn.A_log") else tuple(shape)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory by on-disk name (single file or sharded)."""
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).exists():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not (path / file).exists():
+            raise CheckpointError(f"{path}: shard {file} listed in {INDEX_FILE} is missing")
+        with safe_open(path / file, framework="pt") as f:
+            for name in f.keys():
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise CheckpointError(f"{path}: tensor {name} found in {file} but the index maps it to "
+                                          f"{weight_map.get(name)!r}")
+                tensors[name] = f.get_tensor(name)
+    if weight_map is not None and set(weight_map) - set(tensors):
+        raise CheckpointError(f"{path}: tensors listed in {INDEX_FILE} are absent from their shards: "
+                              f"{sorted(set(weight_map) - set(tensors))[:10]}")
+    return tensors
+
+
+def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+    """Fill `model` (possibly on the meta device) with the tensors of checkpoint directory `path`.
+
+    Strict: every missing, unexpected or mis-shaped tensor is reported by its on-disk name with
+    the expected and actual shapes, and nothing is loaded unless all match. Returns the model.
+    """
+    path = Path(path)
+    on_disk = _read_tensors(path)
+    expected = {to_disk_name(n): (n, _disk_shape(n, t.shape)) for n, t in model.state_dict(keep_vars=True).items()}
+    missing = [f"{d} (expected shape {list(s)})" for d, (_, s) in expected.items() if d not in on_disk]
+    extra = [f"{d} (shape {list(t.shape)})" for d, t in on_disk.items() if d not in expected]
+    bad_shape = [f"{d}: expected shape {list(expected[d][1])}, found {list(t.shape)}"
+                 for d, t in on_disk.items() if d in expected and tuple(t.shape) != expected[d][1]]
+    if missing or extra or bad_shape:
+        lines = [f"checkpoint {path} does not match the model described by its config:"]
+        for title, items in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", bad_shape)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + "; ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
+        raise CheckpointError("\n".join(lines))
+    state = {}
+    for disk_name, tensor in on_disk.items():
+        name, _ = expected[disk_name]
+        if name.endswith("self_attn.A_log"):
+            tensor = tensor.reshape(-1)
+        if dtype is not None and tensor.is_floating_point() and not name.endswith(_FP32_SUFFIXES):
+            tensor = tensor.to(dtype)
+        state[name] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+    """Build a HybridLM from a checkpoint directory (config.json + safetensors), on CPU."""
+    path = Path(path)
+    config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):  # no random init: every tensor comes from disk
+        model = HybridLM(config)
+    return load_weights(model, path, dtype).eval()
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | None = None) -> Path:
+    """Write `model` as a checkpoint directory loadable by `load_checkpoint` and by transformers.
+
+    With `max_shard_bytes`, tensors are split across `model-0000i-of-0000n.safetensors` shards (in
+    state-dict order) plus `model.safetensors.index.json`. Each file is written under a temporary
+    name and renamed, and files of an older save that the new one does not use are removed last.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu")
+        tensors[to_disk_name(name)] = t.reshape(_disk_shape(name, t.shape)).contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = t
+        shard_bytes += size
+    hf = model.config.to_hf_dict()
+    hf["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf, indent=2) + "\n"))
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        _atomic_write(path / name, lambda p, shard=shard: save_file(shard, str(p), metadata={"format": "pt"}))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        _atomic_write(path / INDEX_FILE, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+    stale = [p for p in path.glob("model*.safetensors*") if p.name not in names and p.name != INDEX_FILE]
+    if len(shards) == 1:
+        stale += [path / INDEX_FILE] if (path / INDEX_FILE).exists() else []
+    for p in stale:
+        p.unlink()
+    return path

@@ -1,0 +1,114 @@
+"""KDA layer (Kimi Delta Attention): the linear-attention mixer of Kimi Linear.
+
+Per token x: q, k, v = linear projections, each through a short causal depthwise convolution
+(kernel 4) and SiLU; q, k are L2-normalised per head; beta = sigmoid(b_proj x) per head; a
+per-channel log-decay g = -exp(A_log) * softplus(f_b(f_a x) + dt_bias); the gated delta rule
+(kernels/kda) mixes tokens; the output is a per-head RMSNorm gated by sigmoid(g_b(g_a x)), then
+o_proj. Reference: Kimi Linear (arXiv:2510.26692) and transformers' `KimiLinearDeltaAttention`,
+whose op order this follows so logits match to fp32 rounding.
+
+Parameter names are those of the public checkpoints (`q_conv1d`, `A_log`, `dt_bias`, ...) so the
+name map to disk stays trivial; see models/checkpoint.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
+from models.config import ModelConfig
+from models.norms import GatedRMSNorm
+from models.state import KDALayerState, SegmentBatch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim: fla's form (eps inside the sqrt, not a clamp)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class KDALayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, h, dk = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        self.num_heads, self.head_dim, self.kernel = h, dk, config.linear_conv_kernel_dim
+        qkv = h * dk
+        self.q_proj = nn.Linear(d, qkv, bias=False)
+        self.k_proj = nn.Linear(d, qkv, bias=False)
+        self.v_proj = nn.Linear(d, qkv, bias=False)
+        # Depthwise conv filters (weights [channels, 1, kernel]); applied in forward() over the
+        # previous tokens' tail + the new tokens, never with the modules' own zero padding.
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(qkv, qkv, self.kernel, groups=qkv, bias=False) for _ in range(3))
+        self.f_a_proj = nn.Linear(d, dk, bias=False)
+        self.f_b_proj = nn.Linear(dk, qkv, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h))  # one decay rate per head
+        self.dt_bias = nn.Parameter(torch.empty(qkv))
+        self.b_proj = nn.Linear(d, h, bias=False)
+        self.g_a_proj = nn.Linear(d, dk, bias=False)
+        self.g_b_proj = nn.Linear(dk, qkv, bias=False)
+        self.o_norm = GatedRMSNorm(dk, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(qkv, d, bias=False)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """[3 * qkv, kernel]: q, k, v depthwise filters stacked in that order."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def empty_state(self, device: torch.device, dtype: torch.dtype) -> KDALayerState:
+        h, dk = self.num_heads, self.head_dim
+        return KDALayerState(
+            recurrent=torch.zeros(h, dk, dk, device=device, dtype=torch.float32),  # [H, dk, dv]
+            conv_tail=torch.zeros(self.kernel - 1, 3 * h * dk, device=device, dtype=dtype),  # [K-1, 3*qkv]
+        )
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g (<= 0), float32. x: [N, D] -> [N, H, dk]."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+        # softplus with the reference's overflow guard: identity above 20.
+        softplus = torch.where(raw > 20.0, raw, torch.log1p(torch.exp(raw)))
+        return -torch.exp(self.A_log.float())[:, None] * softplus
+
+    def forward(self, x: torch.Tensor, batch: SegmentBatch, states: Sequence[KDALayerState | None],
+                state_positions: Sequence[Sequence[int]]
+                ) -> tuple[torch.Tensor, list[KDALayerState], list[list[KDALayerState]]]:
+        """Mix the packed new tokens of every sequence, starting from `states` (None = empty).
+
+        x: [N, D] packed hidden states. `state_positions[i]` are absolute token positions of
+        sequence i (start <= p <= start + new_len) at which to return its layer state.
+        Returns (out [N, D], the final state of every sequence, the requested states). Inputs are
+        not mutated.
+        """
+        n_tok, h, dk = x.shape[0], self.num_heads, self.head_dim
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3*qkv]
+        g = self.decay(x)  # [N, H, dk]
+        beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
+        weight = self.conv_weight
+        core = x.new_empty(n_tok, h, dk)
+        finals, requested = [], []
+        for i, (start, new_len) in enumerate(zip(batch.starts, batch.new_lens)):
+            rows = batch.rows(i)
+            state = states[i] if states[i] is not None else self.empty_state(x.device, mixed.dtype)
+            # Causal depthwise conv over [tail of the previous tokens | new tokens].
+            ext = torch.cat([state.conv_tail.to(mixed.dtype), mixed[rows]], dim=0)  # [K-1+L, 3*qkv]
+            conv = F.conv1d(ext.t()[None], weight[:, None, :], groups=weight.shape[0])[0].t()  # [L, 3*qkv]
+            q, k, v = F.silu(conv).view(new_len, 3, h, dk).unbind(1)
+            q, k = l2norm(q.float()), l2norm(k.float())
+            rel = [p - start for p in state_positions[i]]
+            if any(r < 0 or r > new_len for r in rel):
+                raise ValueError(f"state positions {list(state_positions[i])} of sequence {i} must lie in "
+                                 f"[{start}, {start + new_len}]")
+            # One-token decode uses the recurrent form, longer runs the chunked (WY) form.
+            kda = naive_recurrent_kda if new_len == 1 else naive_chunk_kda
+            o, final, at = kda(q[None], k[None], v[None].float(), g[rows][None], beta[rows][None],
+                               initial_state=state.recurrent[None], state_positions=rel)
+            core[rows] = o[0].to(core.dtype)
+            finals.append(KDALayerState(final[0], ext[new_len:].clone()))
+            requested.append([KDALayerState(at[0, j], ext[r:r + self.kernel - 1].clone())
+                              for j, r in enumerate(rel)])
+        gate = self.g_b_proj(self.g_a_proj(x)).view(n_tok, h, dk)
+        out = self.o_norm(core, gate).reshape(n_tok, h * dk)
+        return self.o_proj(out), finals, requested

@@ -1,0 +1,214 @@
+"""The hybrid KDA/MLA decoder-only LM (Kimi Linear architecture).
+
+Every layer: pre-RMSNorm -> mixer (KDA or MLA) -> residual; pre-RMSNorm -> MLP (dense or MoE) ->
+residual. Module names match the public checkpoints (`model.layers.N.self_attn...`), so
+models/checkpoint.py maps names with two documented rules only.
+
+Entry points:
+- `forward(input_ids, lengths)`: logits of a right-padded batch (full sequences, no state).
+- `token_logprobs(input_ids, targets, lengths)`: log p(target_t | prefix) computed in chunks of
+  tokens, never materialising [T, vocab] float32 for the whole sequence (training and the
+  reference model use this).
+- `forward_with_state(token_ids, states, state_positions)`: continue sequences from explicit
+  states and return new states, plus KDA checkpoints at requested positions (prefix caching).
+All run on the plain torch references of kernels/ (CPU default).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.config import ModelConfig
+from models.kda import KDALayer
+from models.mla import MLALayer
+from models.mlp import MoE, Router, SwiGLU
+from models.norms import GatedRMSNorm, RMSNorm
+from models.state import KDACheckpoint, SegmentBatch, SequenceState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.mixer_type = config.layer_types[index]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = KDALayer(config) if self.mixer_type == "kda" else MLALayer(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (SwiGLU(config.hidden_size, config.intermediate_size)
+                    if config.mlp_layer_types[index] == "dense" else MoE(config))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class StatefulOutput:
+    logits: list[torch.Tensor]
+    """Per sequence, [new_len, vocab] (or [1, vocab] with last_logits_only)."""
+    states: list[SequenceState]
+    """Per sequence, the state after all its tokens."""
+    checkpoints: list[list[KDACheckpoint]]
+    """Per sequence, the KDA states at the requested positions, in order."""
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, D] matrix of the output projection (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "HybridLM":
+        """Random init as fla/transformers do for Kimi Linear (deterministic given `seed`)."""
+        gen = torch.Generator().manual_seed(seed)
+
+        def normal_(t: torch.Tensor) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen) * std)
+
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, Router)):
+                normal_(module.weight)
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+                module.weight.fill_(1.0)
+            if isinstance(module, Router):
+                module.e_score_correction_bias.zero_()
+            if isinstance(module, KDALayer):
+                # A in [1, 16] (log-stored); dt in [1e-3, 1e-1] stored as its inverse softplus.
+                module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1, 16, generator=gen).log())
+                dt = torch.exp(torch.empty(module.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        return self
+
+    # ---- the stateful core ------------------------------------------------------------------------
+    def _run(self, token_ids: torch.Tensor, batch: SegmentBatch, states: Sequence[SequenceState | None],
+             state_positions: Sequence[Sequence[int]]
+             ) -> tuple[torch.Tensor, list[SequenceState], list[list[KDACheckpoint]]]:
+        """token_ids: [N] packed new tokens -> (final hidden [N, D], new states, KDA checkpoints)."""
+        num_seqs = len(batch.new_lens)
+        hidden = self.model.embed_tokens(token_ids)  # [N, D]
+        new_states = [SequenceState(batch.starts[i] + batch.new_lens[i]) for i in range(num_seqs)]
+        checkpoints = [[KDACheckpoint(p, {}) for p in state_positions[i]] for i in range(num_seqs)]
+        for index, layer in enumerate(self.model.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            if layer.mixer_type == "kda":
+                prev = [None if s is None else s.kda[index] for s in states]
+                hidden, finals, at = layer.self_attn(hidden, batch, prev, state_positions)
+                for i in range(num_seqs):
+                    new_states[i].kda[index] = finals[i]
+                    for ckpt, layer_state in zip(checkpoints[i], at[i]):
+                        ckpt.layers[index] = layer_state
+            else:
+                prev = [None if s is None else s.mla[index] for s in states]
+                hidden, caches = layer.self_attn(hidden, batch, prev)
+                for i in range(num_seqs):
+                    new_states[i].mla[index] = caches[i]
+            hidden = residual + hidden
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.norm(hidden), new_states, checkpoints
+
+    def forward_with_state(self, token_ids: Sequence[torch.Tensor], states: Sequence[SequenceState | None] | None = None,
+                           state_positions: Sequence[Sequence[int]] | None = None,
+                           last_logits_only: bool = False) -> StatefulOutput:
+        """Continue each sequence i by `token_ids[i]` ([new_len] int64, new_len >= 1) from `states[i]`.
+
+        states[i] = None starts a fresh sequence. `state_positions[i]` lists absolute positions p
+        (start <= p <= start + new_len, increasing) at which to return the KDA states of every KDA
+        layer (S and conv tails): the checkpoints prefix caching persists. Input states are never
+        mutated; the returned states are new objects.
+        """
+        num_seqs = len(token_ids)
+        states = list(states) if states is not None else [None] * num_seqs
+        state_positions = [list(p) for p in state_positions] if state_positions is not None else [[]] * num_seqs
+        if len(states) != num_seqs or len(state_positions) != num_seqs:
+            raise ValueError(f"got {num_seqs} token sequences but {len(states)} states and "
+                             f"{len(state_positions)} position lists")
+        for i, t in enumerate(token_ids):
+            if t.dim() != 1 or t.numel() == 0:
+                raise ValueError(f"token_ids[{i}] has shape {tuple(t.shape)}, expected a non-empty 1-D tensor")
+        batch = SegmentBatch(new_lens=[t.numel() for t in token_ids],
+                             starts=[0 if s is None else s.num_tokens for s in states])
+        hidden, new_states, checkpoints = self._run(torch.cat(list(token_ids)), batch, states, state_positions)
+        logits = []
+        for i in range(num_seqs):
+            rows = hidden[batch.rows(i)]
+            logits.append(self._logits(rows[-1:] if last_logits_only else rows))
+        return StatefulOutput(logits, new_states, checkpoints)
+
+    # ---- full-sequence entry points -----------------------------------------------------------------
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight)
+
+    def _packed_hidden(self, input_ids: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None
+                       ) -> tuple[torch.Tensor, list[int]]:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, expected [batch, seq_len]")
+        bsz, seq_len = input_ids.shape
+        lens = [seq_len] * bsz if lengths is None else [int(n) for n in lengths]
+        if len(lens) != bsz or any(not 1 <= n <= seq_len for n in lens):
+            raise ValueError(f"lengths {lens} must hold {bsz} values in [1, {seq_len}]")
+        packed = torch.cat([input_ids[b, :n] for b, n in enumerate(lens)])
+        batch = SegmentBatch(new_lens=lens, starts=[0] * bsz)
+        hidden, _, _ = self._run(packed, batch, [None] * bsz, [[]] * bsz)
+        return hidden, lens
+
+    def _unpack(self, packed: torch.Tensor, lens: list[int], seq_len: int) -> torch.Tensor:
+        out = packed.new_zeros(len(lens), seq_len, *packed.shape[1:])
+        offset = 0
+        for b, n in enumerate(lens):
+            out[b, :n] = packed[offset:offset + n]
+            offset += n
+        return out
+
+    def forward(self, input_ids: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, T] right-padded; lengths: valid tokens per row (default all T).
+
+        Returns logits [B, T, vocab] in the model dtype; padded positions hold zeros.
+        """
+        hidden, lens = self._packed_hidden(input_ids, lengths)
+        return self._unpack(self._logits(hidden), lens, input_ids.shape[1])
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                       lengths: Sequence[int] | torch.Tensor | None = None, chunk_len: int = 1024) -> torch.Tensor:
+        """log p(targets[b, t] | input_ids[b, :t+1]) as float32 [B, T] (zeros at padded positions).
+
+        Logits are formed `chunk_len` tokens at a time; under autograd each chunk is recomputed in
+        backward (activation checkpointing), so at most [chunk_len, vocab] float32 is ever alive.
+        """
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if chunk_len <= 0:
+            raise ValueError(f"chunk_len={chunk_len}, expected a positive integer")
+        hidden, lens = self._packed_hidden(input_ids, lengths)
+        packed_targets = torch.cat([targets[b, :n] for b, n in enumerate(lens)])
+        weight = self.output_weight
+        pieces = []
+        for start in range(0, hidden.shape[0], chunk_len):
+            h, t = hidden[start:start + chunk_len], packed_targets[start:start + chunk_len]
+            if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+                pieces.append(checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False))
+            else:
+                pieces.append(_chunk_logprobs(h, weight, t))
+        return self._unpack(torch.cat(pieces), lens, input_ids.shape[1])
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """hidden [n, D], weight [V, D], targets [n] -> float32 [n] log-probabilities of the targets."""
+    logits = F.linear(hidden, weight).float()  # [n, V]
+    return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
