@@ -122,7 +122,7 @@ def naive_mla_attention_absorbed(
     k_rope = kv_latent[:, Dc:].to(f32)  # [S, Dr]
     q_lat = torch.einsum("thn,hnc->thc", q_nope.to(f32), w_uk.to(f32))  # [T, H, Dc]
     scores = torch.einsum("thc,sc->hts", q_lat, c_kv)  # [H, T, S]
-    scores = scores
+    scores = scores + torch.einsum("thr,sr->hts", q_rope.to(f32), k_rope)
     scores = (scores * scale).masked_fill(~_causal_mask(T, S, q_start, c_kv.device), float("-inf"))
     o_lat = scores.softmax(dim=-1) @ c_kv  # [H, T, Dc]
     o = torch.einsum("htc,hvc->thv", o_lat, w_uv.to(f32))  # [T, H, Dv]
