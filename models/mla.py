@@ -22,6 +22,10 @@ from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.state import SegmentBatch
 
+# The latent norms use a fixed epsilon, not rms_norm_eps: transformers' KimiLinearAttention builds
+# q_a_layernorm / kv_a_layernorm with the RMSNorm default (as DeepSeek-V2/V3 do).
+LATENT_NORM_EPS = 1e-6
+
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE (GPT-NeoX layout). x: [N, ..., d] (d even); positions: [N] -> x's shape."""
@@ -49,10 +53,10 @@ class MLALayer(nn.Module):
             self.q_proj = nn.Linear(d, h * config.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, config.mla_latent_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_gate_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
