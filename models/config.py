@@ -185,19 +185,18 @@ class ModelConfig:
         return self.linear_num_heads * self.linear_head_dim
 
     def num_parameters(self) -> int:
-        """Parameter count computed from the shape alone (no tensors are built)."""
+        """Trainable parameter count from the shape alone (no tensors are built; buffers excluded)."""
         d, counts = self.hidden_size, 0
         qkv = self.linear_qkv_dim
         kda = (3 * d * qkv + 3 * qkv * self.linear_conv_kernel_dim + 2 * (d * self.linear_head_dim + self.linear_head_dim * qkv)
-               + 2 * qkv + self.linear_num_heads + d * self.linear_num_heads + self.linear_head_dim + qkv * d)
+               + qkv + self.linear_num_heads + d * self.linear_num_heads + self.linear_head_dim + qkv * d)
         h = self.num_attention_heads
         q = (d * h * self.qk_head_dim if self.q_lora_rank is None
              else d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim)
         mla = (q + d * self.mla_latent_dim + self.kv_lora_rank + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
                + h * self.v_head_dim * d + (d * h * self.v_head_dim if self.mla_output_gate else 0))
         dense = 3 * d * self.intermediate_size
-        moe = (3 * d * self.moe_intermediate_size * (self.num_experts + self.num_shared_experts)
-               + self.num_experts * d + self.num_experts)
+        moe = 3 * d * self.moe_intermediate_size * (self.num_experts + self.num_shared_experts) + self.num_experts * d
         for mixer, mlp in zip(self.layer_types, self.mlp_layer_types):
             counts += (kda if mixer == "kda" else mla) + (dense if mlp == "dense" else moe) + 2 * d
         counts += self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
