@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> float:
     cfg = model.config
     if cfg.vocab_size < tok.vocab_size:
         raise SystemExit(f"error: {path} has vocab_size={cfg.vocab_size}; the byte tokenizer needs >= {tok.vocab_size}")
+    how = "random init saved and loaded back" if args.checkpoint is None else "loaded"
     console.print(f"model {path}: {cfg.num_hidden_layers} layers ({''.join(t[0].upper() for t in cfg.layer_types)}), "
-                  f"{sum(p.numel() for p in model.parameters()):,} parameters, loaded in {time.perf_counter() - t0:.2f} s")
+                  f"{sum(p.numel() for p in model.parameters()):,} parameters, {how} in {time.perf_counter() - t0:.2f} s")
     prompt = torch.tensor(tok.encode(args.prompt))
     gen = torch.Generator().manual_seed(args.seed)
     generated: list[int] = []
