@@ -31,11 +31,6 @@ class KDALayerState:
     def clone(self) -> "KDALayerState":
         return KDALayerState(self.recurrent.clone(), self.conv_tail.clone())
 
-    @property
-    def num_bytes(self) -> int:
-        return (self.recurrent.numel() * self.recurrent.element_size()
-                + self.conv_tail.numel() * self.conv_tail.element_size())
-
 
 @dataclass
 class SequenceState:
