@@ -72,6 +72,32 @@ class KDALayer(nn.Module):
         softplus = torch.where(raw > 20.0, raw, torch.log1p(torch.exp(raw)))
         return -torch.exp(self.A_log.float())[:, None] * softplus
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token inputs of the mixer. x: [N, D] -> (pre-conv q|k|v [N, 3*qkv], g [N, H, dk] fp32,
+        beta [N, H] fp32)."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3*qkv]
+        return mixed, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+
+    def short_conv(self, mixed: torch.Tensor, tail: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU of B sequences' new tokens after their conv tails.
+
+        mixed: [B, L, 3*qkv] pre-conv inputs; tail: [B, kernel-1, 3*qkv] the previous tokens' inputs.
+        Returns (q, k, v [B, L, H, dk] fp32 with q, k L2-normalised, ext [B, kernel-1+L, 3*qkv]);
+        the conv tail after token j of the new ones is ext[:, j+1 : j+kernel].
+        """
+        bsz, new_len, channels = mixed.shape
+        ext = torch.cat([tail.to(mixed.dtype), mixed], dim=1)  # [B, K-1+L, 3*qkv]
+        weight = self.conv_weight
+        conv = F.conv1d(ext.transpose(1, 2), weight[:, None, :], groups=channels).transpose(1, 2)  # [B, L, 3*qkv]
+        q, k, v = F.silu(conv).view(bsz, new_len, 3, self.num_heads, self.head_dim).unbind(2)
+        return l2norm(q.float()), l2norm(k.float()), v.float(), ext
+
+    def output(self, x: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
+        """Gated per-head norm + o_proj. x: [N, D] (the layer input), core: [N, H, dv] -> [N, D]."""
+        gate = self.g_b_proj(self.g_a_proj(x)).view(core.shape)
+        return self.o_proj(self.o_norm(core.to(x.dtype), gate).flatten(1))
+
     def forward(self, x: torch.Tensor, batch: SegmentBatch, states: Sequence[KDALayerState | None],
                 state_positions: Sequence[Sequence[int]]
                 ) -> tuple[torch.Tensor, list[KDALayerState], list[list[KDALayerState]]]:
@@ -82,33 +108,23 @@ class KDALayer(nn.Module):
         Returns (out [N, D], the final state of every sequence, the requested states). Inputs are
         not mutated.
         """
-        n_tok, h, dk = x.shape[0], self.num_heads, self.head_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3*qkv]
-        g = self.decay(x)  # [N, H, dk]
-        beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
-        weight = self.conv_weight
-        core = x.new_empty(n_tok, h, dk)
+        mixed, g, beta = self.project(x)
+        core = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         finals, requested = [], []
         for i, (start, new_len) in enumerate(zip(batch.starts, batch.new_lens)):
             rows = batch.rows(i)
             state = states[i] if states[i] is not None else self.empty_state(x.device, mixed.dtype)
-            # Causal depthwise conv over [tail of the previous tokens | new tokens].
-            ext = torch.cat([state.conv_tail.to(mixed.dtype), mixed[rows]], dim=0)  # [K-1+L, 3*qkv]
-            conv = F.conv1d(ext.t()[None], weight[:, None, :], groups=weight.shape[0])[0].t()  # [L, 3*qkv]
-            q, k, v = F.silu(conv).view(new_len, 3, h, dk).unbind(1)
-            q, k = l2norm(q.float()), l2norm(k.float())
+            q, k, v, ext = self.short_conv(mixed[None, rows], state.conv_tail[None])
             rel = [p - start for p in state_positions[i]]
             if any(r < 0 or r > new_len for r in rel):
                 raise ValueError(f"state positions {list(state_positions[i])} of sequence {i} must lie in "
                                  f"[{start}, {start + new_len}]")
             # One-token decode uses the recurrent form, longer runs the chunked (WY) form.
             kda = naive_recurrent_kda if new_len == 1 else naive_chunk_kda
-            o, final, at = kda(q[None], k[None], v[None].float(), g[rows][None], beta[rows][None],
+            o, final, at = kda(q, k, v, g[None, rows], beta[None, rows],
                                initial_state=state.recurrent[None], state_positions=rel)
-            core[rows] = o[0].to(core.dtype)
-            finals.append(KDALayerState(final[0], ext[new_len:].clone()))
-            requested.append([KDALayerState(at[0, j], ext[r:r + self.kernel - 1].clone())
+            core[rows] = o[0]
+            finals.append(KDALayerState(final[0], ext[0, new_len:].clone()))
+            requested.append([KDALayerState(at[0, j], ext[0, r:r + self.kernel - 1].clone())
                               for j, r in enumerate(rel)])
-        gate = self.g_b_proj(self.g_a_proj(x)).view(n_tok, h, dk)
-        out = self.o_norm(core, gate).reshape(n_tok, h * dk)
-        return self.o_proj(out), finals, requested
+        return self.output(x, core), finals, requested

@@ -73,6 +73,24 @@ class MLALayer(nn.Module):
             k_rope = apply_rope(k_rope, positions, self.rope_theta)
         return torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
 
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D], positions: [N] -> (q_nope [N, H, nope], q_rope [N, H, rope])."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(x.shape[0], self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        if self.use_rope:
+            q_rope = apply_rope(q_rope, positions, self.rope_theta)
+        return q_nope, q_rope
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """(Gate and) o_proj. x: [N, D] layer input, attn: [N, H, v] -> [N, D]."""
+        out = attn.to(x.dtype).flatten(1)
+        if self.o_gate_proj is not None:
+            out = out * torch.sigmoid(self.o_gate_proj(x))
+        return self.o_proj(out)
+
     def forward(self, x: torch.Tensor, batch: SegmentBatch, caches: Sequence[torch.Tensor | None]
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Attend the packed new tokens of every sequence over its cached prefix + themselves.
@@ -80,18 +98,11 @@ class MLALayer(nn.Module):
         x: [N, D]; caches[i]: [starts[i], d_c + d_r] latent cache of sequence i, or None when empty.
         Returns (out [N, D], new caches [starts[i] + new_lens[i], d_c + d_r]); inputs not mutated.
         """
-        n_tok, h = x.shape[0], self.num_heads
         positions = batch.positions(x.device)
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(n_tok, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        if self.use_rope:
-            q_rope = apply_rope(q_rope, positions, self.rope_theta)
+        q_nope, q_rope = self.queries(x, positions)
         new_latent = self.latent(x, positions)  # [N, d_c + d_r]
         w_uk, w_uv = self.up_projections()
-        out = x.new_empty(n_tok, h, self.v_dim)
+        out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
         new_caches = []
         for i, (start, new_len) in enumerate(zip(batch.starts, batch.new_lens)):
             rows = batch.rows(i)
@@ -103,7 +114,4 @@ class MLALayer(nn.Module):
             attend = naive_mla_attention_absorbed if new_len == 1 else naive_mla_attention
             out[rows] = attend(q_nope[rows], q_rope[rows], cache, w_uk, w_uv, scale=self.scale, q_start=start)
             new_caches.append(cache)
-        out = out.reshape(n_tok, h * self.v_dim)
-        if self.o_gate_proj is not None:
-            out = out * torch.sigmoid(self.o_gate_proj(x))
-        return self.o_proj(out), new_caches
+        return self.output(x, out), new_caches

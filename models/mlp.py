@@ -82,7 +82,9 @@ class MoE(nn.Module):
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
             y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            # index_put_ with accumulate rather than index_add_: the same sum (a token meets each
+            # expert once), and index_add_ is ~10^4x slower on CPU in torch 2.13.
+            out.index_put_((token,), y.to(out.dtype), accumulate=True)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,33 +96,26 @@ class HybridLM(nn.Module):
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         return self
 
-    # ---- the stateful core ------------------------------------------------------------------------
+    # ---- the layer stack ---------------------------------------------------------------------------
+    def run_layers(self, token_ids: torch.Tensor, mixer: "Mixer") -> torch.Tensor:
+        """token_ids: [N] packed tokens -> final-normed hidden states [N, D].
+
+        The mixer owns where the caches live (explicit states here, pool pages in the rollout
+        engine); everything else (embeddings, norms, residuals, MLPs) is this one code path.
+        """
+        hidden = self.model.embed_tokens(token_ids)  # [N, D]
+        for index, layer in enumerate(self.model.layers):
+            mix = mixer.kda if layer.mixer_type == "kda" else mixer.mla
+            hidden = hidden + mix(index, layer.self_attn, layer.input_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.norm(hidden)
+
     def _run(self, token_ids: torch.Tensor, batch: SegmentBatch, states: Sequence[SequenceState | None],
              state_positions: Sequence[Sequence[int]]
              ) -> tuple[torch.Tensor, list[SequenceState], list[list[KDACheckpoint]]]:
         """token_ids: [N] packed new tokens -> (final hidden [N, D], new states, KDA checkpoints)."""
-        num_seqs = len(batch.new_lens)
-        hidden = self.model.embed_tokens(token_ids)  # [N, D]
-        new_states = [SequenceState(batch.starts[i] + batch.new_lens[i]) for i in range(num_seqs)]
-        checkpoints = [[KDACheckpoint(p, {}) for p in state_positions[i]] for i in range(num_seqs)]
-        for index, layer in enumerate(self.model.layers):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            if layer.mixer_type == "kda":
-                prev = [None if s is None else s.kda[index] for s in states]
-                hidden, finals, at = layer.self_attn(hidden, batch, prev, state_positions)
-                for i in range(num_seqs):
-                    new_states[i].kda[index] = finals[i]
-                    for ckpt, layer_state in zip(checkpoints[i], at[i]):
-                        ckpt.layers[index] = layer_state
-            else:
-                prev = [None if s is None else s.mla[index] for s in states]
-                hidden, caches = layer.self_attn(hidden, batch, prev)
-                for i in range(num_seqs):
-                    new_states[i].mla[index] = caches[i]
-            hidden = residual + hidden
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.norm(hidden), new_states, checkpoints
+        mixer = StateMixer(batch, states, state_positions)
+        return self.run_layers(token_ids, mixer), mixer.new_states, mixer.checkpoints
 
     def forward_with_state(self, token_ids: Sequence[torch.Tensor], states: Sequence[SequenceState | None] | None = None,
                            state_positions: Sequence[Sequence[int]] | None = None,
@@ -206,6 +200,39 @@ class HybridLM(nn.Module):
             else:
                 pieces.append(_chunk_logprobs(h, weight, t))
         return self._unpack(torch.cat(pieces), lens, input_ids.shape[1])
+
+
+class Mixer(Protocol):
+    """Runs the token-mixing half of a layer against some cache storage."""
+
+    def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor: ...
+    def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class StateMixer:
+    """Mixer over explicit per-sequence states (`SequenceState`); collects the new states."""
+
+    def __init__(self, batch: SegmentBatch, states: Sequence[SequenceState | None],
+                 state_positions: Sequence[Sequence[int]]) -> None:
+        self.batch, self.states, self.state_positions = batch, states, state_positions
+        self.new_states = [SequenceState(s + n) for s, n in zip(batch.starts, batch.new_lens)]
+        self.checkpoints = [[KDACheckpoint(p, {}) for p in positions] for positions in state_positions]
+
+    def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
+        prev = [None if s is None else s.kda[index] for s in self.states]
+        out, finals, at = layer(x, self.batch, prev, self.state_positions)
+        for i, new in enumerate(self.new_states):
+            new.kda[index] = finals[i]
+            for ckpt, layer_state in zip(self.checkpoints[i], at[i]):
+                ckpt.layers[index] = layer_state
+        return out
+
+    def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
+        prev = [None if s is None else s.mla[index] for s in self.states]
+        out, caches = layer(x, self.batch, prev)
+        for new, cache in zip(self.new_states, caches):
+            new.mla[index] = cache
+        return out
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,3 +1,4 @@
 from kernels.mla.naive import naive_mla_attention, naive_mla_attention_absorbed
+from kernels.mla.paged import paged_mla_decode
 
-__all__ = ["naive_mla_attention", "naive_mla_attention_absorbed"]
+__all__ = ["naive_mla_attention", "naive_mla_attention_absorbed", "paged_mla_decode"]

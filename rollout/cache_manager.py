@@ -1,0 +1,125 @@
+"""Which pool pages each sequence owns: allocation, forking, freeing, block tables.
+
+Every sequence holds, per MLA cache group, `ceil(tokens / block_tokens)` pages in logical order
+(its block table) and, per KDA cache group, one private page with its recurrent state. Pages are
+ref-counted by the pool; a page shared by forks is referenced once per sequence holding it.
+Invariant (`check_integrity`): each page's pool refcount == the number of sequence slots that
+list it, and the pool's own free/used accounting holds.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from memory.page_pool import OutOfPages, PagePool
+from rollout.request import Sequence
+
+
+class CacheManager:
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.layout = pool.layout
+        self.num_kda_groups = len(self.layout.kda_groups)
+        self.num_mla_groups = len(self.layout.mla_groups)
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New pages `seq` needs to hold `num_tokens` tokens."""
+        kda = 0 if seq.kda_pages else self.num_kda_groups
+        have = len(seq.mla_pages[0]) if seq.mla_pages else 0
+        return kda + self.num_mla_groups * max(0, self.layout.mla_pages_for(num_tokens) - have)
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Pages one private sequence of `num_tokens` tokens holds."""
+        return self.num_kda_groups + self.num_mla_groups * self.layout.mla_pages_for(num_tokens)
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+        """Allocate what `seq` lacks to hold `num_tokens` tokens. All-or-nothing: False (and
+        nothing allocated) when the pool has too few free pages."""
+        if self.pages_needed(seq, num_tokens) > self.pool.num_free:
+            return False
+        try:
+            if not seq.kda_pages:
+                seq.kda_pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda_groups)]
+            if not seq.mla_pages:
+                seq.mla_pages = [[] for _ in range(self.num_mla_groups)]
+            missing = self.layout.mla_pages_for(num_tokens) - len(seq.mla_pages[0])
+            if missing > 0:
+                for g in range(self.num_mla_groups):
+                    seq.mla_pages[g].extend(self.pool.allocate(missing, ("mla", g)))
+        except OutOfPages as err:  # cannot happen after the check above; keep the accounting exact anyway
+            raise RuntimeError(f"page accounting error while growing sequence {seq.seq_id}") from err
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; pages still shared with forks stay allocated."""
+        self.pool.decref(seq.kda_pages + [p for group in seq.mla_pages for p in group])
+        seq.kda_pages, seq.mla_pages = [], []
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Give each child the parent's cache at `parent.num_computed` tokens.
+
+        Full MLA pages are shared by reference count; the partially filled last page and the KDA
+        state pages are copied (copy-on-write done eagerly: the child will write into them). The
+        first child takes over the parent's own references; the parent ends holding nothing.
+        Raises OutOfPages (allocating nothing) if the copies do not fit.
+        """
+        full = parent.num_computed // self.layout.block_tokens
+        partial = len(parent.mla_pages[0]) > full if parent.mla_pages else False
+        copies_per_child = self.num_kda_groups + (self.num_mla_groups if partial else 0)
+        if copies_per_child * (len(children) - 1) > self.pool.num_free:
+            raise OutOfPages(copies_per_child * (len(children) - 1), self.pool.num_free)
+        first, rest = children[0], children[1:]
+        first.kda_pages, first.mla_pages = parent.kda_pages, parent.mla_pages
+        parent.kda_pages, parent.mla_pages = [], []
+        for child in rest:
+            child.kda_pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda_groups)]
+            self.pool.copy_pages(first.kda_pages, child.kda_pages)
+            child.mla_pages = []
+            for g, pages in enumerate(first.mla_pages):
+                shared = pages[:full]
+                self.pool.incref(shared)
+                own = self.pool.allocate(1, ("mla", g)) if partial else []
+                if partial:
+                    self.pool.copy_pages(pages[full:full + 1], own)
+                child.mla_pages.append(shared + own)
+        for child in children:
+            child.num_computed = parent.num_computed
+
+    def block_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Per MLA group, [num_seqs, max_blocks] int64 page ids (padded with -1)."""
+        tables = []
+        for g in range(self.num_mla_groups):
+            width = max(len(s.mla_pages[g]) for s in seqs)
+            table = torch.full((len(seqs), width), -1, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                table[i, :len(s.mla_pages[g])] = torch.tensor(s.mla_pages[g], dtype=torch.long)
+            tables.append(table)
+        return tables
+
+    def state_pages(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Per KDA group, [num_seqs] int64 state page of each sequence."""
+        return [torch.tensor([s.kda_pages[g] for s in seqs], dtype=torch.long) for g in range(self.num_kda_groups)]
+
+    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
+        """Pool accounting holds and every refcount equals the references sequences hold."""
+        self.pool.check_integrity()
+        held = Counter()
+        for s in seqs:
+            held.update(s.kda_pages)
+            for group in s.mla_pages:
+                held.update(group)
+            if s.holds_pages:
+                need = self.layout.mla_pages_for(s.num_computed)
+                if s.mla_pages and len(s.mla_pages[0]) < need:
+                    raise AssertionError(f"sequence {s.seq_id} computed {s.num_computed} tokens but holds "
+                                         f"{len(s.mla_pages[0])} MLA pages per group (< {need})")
+        for page, count in held.items():
+            if self.pool.refcount(page) != count:
+                raise AssertionError(f"page {page}: pool refcount {self.pool.refcount(page)} but {count} "
+                                     f"sequence references")
+        if sum(held.values()) and self.pool.num_used != len(held):
+            raise AssertionError(f"pool has {self.pool.num_used} used pages, sequences reference {len(held)}")
+        if not held and self.pool.num_used:
+            raise AssertionError(f"{self.pool.num_used} pages used but no sequence holds any (leak)")

@@ -1,0 +1,251 @@
+"""The rollout engine: requests in, tokens + logprobs + policy versions out.
+
+    engine = Engine(model, EngineConfig(num_pages=256))
+    outputs = engine.generate([prompt_ids, ...], SamplingParams(temperature=0.7, n=8))
+
+`step()` is the whole pipeline, nano-vllm style: schedule -> run the model on pool pages ->
+sample / fork / finish. Requests can be aborted, paused and resumed; `sleep()` hands the device
+pool back (every cached token is dropped, nothing generated is lost: sequences are recomputed
+after `wake()`); `load_weights` installs a new policy version (tokens record which version
+sampled them, so partial rollouts that span versions stay attributable).
+"""
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from rich.progress import Progress
+
+from kernels.impl import check_impl, default_impl
+from memory.page_pool import CacheLayout, OutOfPages, PagePool
+from models.model import HybridLM
+from rollout.cache_manager import CacheManager
+from rollout.model_runner import ModelRunner
+from rollout.request import Request, RequestOutput, SeqStatus, Sequence
+from rollout.sampling import SamplingParams, sample
+from rollout.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    """Longest sequence (prompt + generated) the engine accepts."""
+    num_pages: int | None = None
+    """Pages in the device pool; None = derived from pool_bytes."""
+    pool_bytes: int = 64 << 20
+    """Device pool size when num_pages is None."""
+    group_layers: int | None = None
+    """Layers per cache group (default: the number of MLA layers)."""
+    max_num_batched_tokens: int = 512
+    """Per-step token budget (decode tokens + prefill chunks)."""
+    max_num_seqs: int = 128
+    """Sequences running at once."""
+    kernel_impl: str | None = None
+    """"naive" (torch) or "triton"; None = triton on CUDA, naive on CPU."""
+    seed: int = 0
+    """Seeds requests that give no seed of their own."""
+    check_every_step: bool = False
+    """Run the pool/cache integrity checks after every step (tests, debugging)."""
+    show_progress: bool = True
+    """Progress bar in generate()."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len}, expected >= 2")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
+        if self.kernel_impl is not None:
+            check_impl(self.kernel_impl)
+
+
+class Engine:
+    def __init__(self, model: HybridLM, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model.eval()
+        dtype = next(model.parameters()).dtype
+        self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype)
+        device = next(model.parameters()).device
+        self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
+                     else PagePool.from_bytes(self.layout, config.pool_bytes, device))
+        self.cache = CacheManager(self.pool)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                                   max_num_seqs=config.max_num_seqs), self.cache)
+        self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
+        max_pages = self.cache.pages_for_tokens(config.max_model_len)
+        if max_pages > self.pool.num_pages:
+            raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of max_model_len="
+                             f"{config.max_model_len} tokens ({max_pages} pages): lower max_model_len or grow the pool")
+        self.policy_version = 0
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.num_steps = 0
+        self.peak_pages_used = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt: Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    turn_boundaries: Seq[int] = ()) -> str:
+        """Queue a prompt. Invalid input raises ValueError here and leaves the engine untouched."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.config.max_model_len} "
+                             f"(need room for at least one generated token)")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} out of range [0, {vocab})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}:{request_id}".encode())
+
+        def new_seq(fork: int, num_forks: int = 0) -> Sequence:
+            gen = torch.Generator().manual_seed(base_seed + fork)
+            return Sequence(next(self._seq_ids), request_id, list(prompt), len(prompt), params, gen, num_forks)
+
+        seq = new_seq(0, num_forks=params.n if params.n > 1 else 0)
+        self.requests[request_id] = Request(request_id, list(prompt), params, [seq], list(turn_boundaries))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for seq in self._request(request_id).seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+            seq.num_forks = 0
+        del self.requests[request_id]
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling the request; its cached pages stay (until pool pressure preempts it)."""
+        for seq in self._request(request_id).seqs:
+            self.scheduler.pause(seq)
+
+    def resume(self, request_id: str) -> None:
+        for seq in self._request(request_id).seqs:
+            self.scheduler.resume(seq)
+
+    def _request(self, request_id: str) -> Request:
+        if request_id not in self.requests:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return self.requests[request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns the requests that finished during it."""
+        if self.pool.is_released:
+            raise RuntimeError("engine is asleep: call wake() before step()")
+        scheduled = self.scheduler.schedule()
+        finished: list[RequestOutput] = []
+        if scheduled.seqs:
+            sampling, logits = self.runner.run(scheduled)
+            self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
+            to_sample: list[tuple[Sequence, torch.Tensor]] = []
+            for row, index in enumerate(sampling):
+                seq = scheduled.seqs[index]
+                if seq.num_forks:
+                    to_sample += [(child, logits[row]) for child in self._fork(seq)]
+                else:
+                    to_sample.append((seq, logits[row]))
+            if to_sample:
+                seqs = [s for s, _ in to_sample]
+                tokens, logprobs = sample(torch.stack([l for _, l in to_sample]), [s.params for s in seqs],
+                                          [s.generator for s in seqs])
+                for seq, token, logprob in zip(seqs, tokens, logprobs):
+                    self._append(seq, token, logprob)
+            done = {s.request_id for s, _ in to_sample if s.status is SeqStatus.FINISHED}
+            finished = [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
+        self.num_steps += 1
+        if self.config.check_every_step:
+            self.check_integrity()
+        for out in finished:
+            del self.requests[out.request_id]
+        return finished
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split a prefilled prompt sequence into its n samples (pages shared, states copied)."""
+        request = self.requests[parent.request_id]
+        children = [Sequence(next(self._seq_ids), parent.request_id, list(parent.tokens), parent.prompt_len,
+                             parent.params, torch.Generator().manual_seed(parent.generator.initial_seed() + i))
+                    for i in range(parent.num_forks)]
+        try:
+            self.cache.fork(parent, children)
+        except OutOfPages:
+            # Not enough pages for the private copies now: recompute the prompt per sample instead.
+            self.cache.free(parent)
+            for child in children:
+                child.num_computed = 0
+        for child in children:
+            child.status, child.admitted_at = parent.status, parent.admitted_at
+        index = self.scheduler.running.index(parent)
+        self.scheduler.running[index:index + 1] = [c for c in children if c.holds_pages]
+        for child in children:
+            if not child.holds_pages:
+                self.scheduler.add(child)
+        parent.num_forks, parent.status = 0, SeqStatus.FINISHED
+        request.seqs = children
+        return [c for c in children if c.holds_pages]
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.policy_version)
+        p, eos = seq.params, self.model.config.eos_token_id
+        if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (with whatever else is queued); outputs in prompt order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        outputs: dict[str, RequestOutput] = {}
+        with Progress(disable=not self.config.show_progress, transient=True) as progress:
+            task = progress.add_task("generating", total=len(ids))
+            while len(outputs) < len(ids):
+                if not self.has_unfinished:
+                    raise RuntimeError("engine has no work left but requests are unfinished (paused?)")
+                for out in self.step():
+                    outputs[out.request_id] = out
+                    progress.advance(task)
+        return [outputs[i] for i in ids]
+
+    # ---- memory and weights ----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the device pool. Running sequences keep their tokens and are recomputed after wake()."""
+        self.scheduler.preempt_all()
+        self.pool.release()
+        self.runner.invalidate_views()
+
+    def wake(self) -> None:
+        self.pool.reacquire()
+        self.runner.invalidate_views()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Install new policy weights (our parameter names, strict) and tag later tokens with `version`."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
+        self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = version
+
+    def check_integrity(self) -> None:
+        seqs = [s for r in self.requests.values() for s in r.seqs]
+        self.cache.check_integrity(seqs)
+        for s in seqs:
+            if s.status in (SeqStatus.WAITING, SeqStatus.FINISHED) and s.holds_pages:
+                raise AssertionError(f"sequence {s.seq_id} is {s.status.value} but holds pages")

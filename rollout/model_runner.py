@@ -1,0 +1,62 @@
+"""Turns a scheduled step into one paged forward of the model and returns the logits to sample.
+
+Per step it packs the sequences' new tokens (`SegmentBatch`), builds each layer's metadata from the
+sequences' pages (state page per KDA group, block table per MLA group) and runs
+`HybridLM.run_layers` with `PagedMixer` over the pool's typed views. Logits are formed only for
+sequences whose step reaches their last token (the ones that will sample).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memory.page_pool import PagePool
+from models.model import HybridLM
+from models.paged import PagedCaches, PagedMixer, PagedStep
+from models.state import SegmentBatch
+from rollout.cache_manager import CacheManager
+from rollout.scheduler import ScheduledStep
+
+
+class ModelRunner:
+    def __init__(self, model: HybridLM, pool: PagePool, cache: CacheManager, impl: str) -> None:
+        self.model, self.pool, self.cache, self.impl = model, pool, cache, impl
+        self.layout = pool.layout
+        self._views: PagedCaches | None = None
+
+    @property
+    def views(self) -> PagedCaches:
+        """Typed per-layer views of the pool (rebuilt after the pool is re-acquired)."""
+        if self._views is None:
+            cfg = self.model.config
+            kda = {i: self.pool.kda_views(i) for i in cfg.kda_layers}
+            self._views = PagedCaches(kda_state={i: v[0] for i, v in kda.items()},
+                                      kda_conv={i: v[1] for i, v in kda.items()},
+                                      mla_latent={i: self.pool.mla_view(i) for i in cfg.mla_layers})
+        return self._views
+
+    def invalidate_views(self) -> None:
+        self._views = None
+
+    @torch.no_grad()
+    def run(self, step: ScheduledStep) -> tuple[list[int], torch.Tensor]:
+        """Compute the step's tokens into the pool. Returns (indices into step.seqs that reached
+        their last token, their next-token logits [num_sampling, vocab] float32)."""
+        seqs = step.seqs
+        batch = SegmentBatch(new_lens=list(step.num_new_tokens), starts=[s.num_computed for s in seqs])
+        token_ids = torch.tensor([t for s, n in zip(seqs, step.num_new_tokens)
+                                  for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=torch.long)
+        state_pages, tables = self.cache.state_pages(seqs), self.cache.block_tables(seqs)
+        cfg = self.model.config
+        paged = PagedStep(batch=batch,
+                          state_pages={i: state_pages[self.layout.group_of(i)[1]] for i in cfg.kda_layers},
+                          block_tables={i: tables[self.layout.group_of(i)[1]] for i in cfg.mla_layers},
+                          impl=self.impl)
+        hidden = self.model.run_layers(token_ids, PagedMixer(self.views, paged))  # [N, D]
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
+        offsets = batch.offsets
+        last_rows = torch.tensor([offsets[i] + step.num_new_tokens[i] - 1 for i in sampling], dtype=torch.long)
+        logits = F.linear(hidden[last_rows], self.model.output_weight).float()
+        for s, n in zip(seqs, step.num_new_tokens):
+            s.num_computed += n
+        return sampling, logits

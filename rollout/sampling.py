@@ -1,0 +1,81 @@
+"""Sampling parameters and the sampler.
+
+Log-probabilities returned with each sampled token are **log softmax(logits / temperature)** of
+that token, computed before top-k / top-p truncation (greedy, temperature 0, reports plain
+log softmax(logits)). This is the behaviour policy's density the PPO/GRPO importance ratio
+needs (verl and slime use the same convention): truncation changes which tokens can be drawn,
+not the policy's probability of the drawn one.
+
+Randomness is per request: each sequence owns a `torch.Generator` seeded from its seed, and
+draws from it only when it samples a new token, so batching, preemption and recompute never
+change what a seeded request generates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    """Tokens to generate at most (finish reason "length")."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = off."""
+    seed: int | None = None
+    """Seed of this request's generator (fork i of a parallel request uses seed + i); None = from the engine seed and request id."""
+    n: int = 1
+    """Parallel samples of the prompt (GRPO groups): prefilled once, then forked."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Tokens that end generation (finish reason "stop"), in addition to the model's eos."""
+    ignore_eos: bool = False
+    """Keep generating past eos (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}, expected an integer >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r}, expected >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}, expected a value in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}, expected an integer >= 0 (0 = off)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r}, expected an integer >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+           ) -> tuple[list[int], list[float]]:
+    """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above)."""
+    logits = logits.float()
+    tokens, logprobs = [], []
+    for row, p, gen in zip(logits, params, generators):
+        scaled = row if p.temperature == 0 else row / p.temperature
+        logp = torch.log_softmax(scaled, dim=-1)  # [vocab]
+        if p.temperature == 0:
+            token = int(row.argmax())
+        else:
+            token = int(torch.multinomial(truncate(logp, p.top_k, p.top_p).exp(), 1, generator=gen))
+        tokens.append(token)
+        logprobs.append(float(logp[token]))
+    return tokens, logprobs
+
+
+def truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p filtering of log-probs [vocab]: dropped tokens get -inf (not renormalised;
+    multinomial normalises)."""
+    if top_k > 0 and top_k < logp.numel():
+        kth = logp.topk(top_k).values[-1]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(descending=True)
+        probs = torch.softmax(sorted_logp, dim=0)  # renormalised over what top-k kept
+        drop = (probs.cumsum(0) - probs) >= top_p  # keep the smallest prefix reaching top_p
+        logp = logp.scatter(0, order, sorted_logp.masked_fill(drop, float("-inf")))
+    return logp

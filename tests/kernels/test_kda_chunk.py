@@ -1,0 +1,125 @@
+"""Chunked KDA prefill: the Triton kernel (16-token segments) must match the naive chunked
+form (64-token chunks) in outputs, final state and the states at requested positions, at
+odd lengths, with and without an initial state, under strong and slow decay."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.kda.chunk import chunk_kda
+from kernels.kda.naive import naive_chunk_kda
+
+TOL = 1e-5
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B=2, T=19, H=2, K=24, V=40, *, seed=0, with_state=True, strong_decay=True):
+    """L2-normalised q, k; g uniform in [-5, 0] per channel per token (strong decay: exp(G)
+    reaches ~1e-35 within 16 tokens) or log-sigmoid around -0.13 (slow decay, old tokens stay
+    alive and (I + A) is hardest to invert); sigmoid-range beta."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)  # [B, T, H, K]
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)  # [B, T, H, K]
+    v = torch.randn(B, T, H, V, generator=gen)  # [B, T, H, V]
+    if strong_decay:
+        g = -5.0 * torch.rand(B, T, H, K, generator=gen)  # [B, T, H, K]
+    else:
+        g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2.0)  # [B, T, H, K]
+    beta = torch.rand(B, T, H, generator=gen)  # [B, T, H]
+    h0 = torch.randn(B, H, K, V, generator=gen) if with_state else None  # [B, H, K, V]
+    moved = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    return (*moved, None if h0 is None else h0.to(DEVICE))
+
+
+def check_triton_matches_naive(T, positions, *, with_state, strong_decay, K=24, V=40, seed=0):
+    q, k, v, g, beta, h0 = make_inputs(
+        T=T, K=K, V=V, seed=seed, with_state=with_state, strong_decay=strong_decay
+    )
+    h0_before = None if h0 is None else h0.clone()
+    kw = dict(initial_state=h0, state_positions=positions)
+    o_n, s_n, ps_n = chunk_kda(q, k, v, g, beta, impl="naive", **kw)
+    o_t, s_t, ps_t = chunk_kda(q, k, v, g, beta, impl="triton", **kw)
+    assert (o_t.shape, o_t.dtype) == (o_n.shape, o_n.dtype)
+    assert ps_t.shape == ps_n.shape == (2, len(positions), 2, K, V)
+    if T > 0:
+        assert rel_err(o_t, o_n) <= TOL
+    assert rel_err(s_t, s_n) <= TOL
+    for i, p in enumerate(positions):
+        if p == 0 and not with_state:
+            assert not ps_t[:, i].any()
+        else:
+            assert rel_err(ps_t[:, i], ps_n[:, i]) <= TOL, p
+    if h0 is not None:
+        assert torch.equal(h0, h0_before)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("T", [1, 7, 19, 33])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_triton_matches_naive(T, with_state):
+    # 0, T, a point mid-segment, a segment boundary (16) and the token after it.
+    positions = sorted({0, T, T // 2, min(T, 16), min(T, 17)})
+    check_triton_matches_naive(T, positions, with_state=with_state, strong_decay=True)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    "T, positions, K, V",
+    [
+        (33, (5, 32), 16, 16),  # powers of two, one V block; no position 0 or T
+        (19, (), 32, 7),  # no positions; V below one block
+        (0, (0,), 24, 40),  # empty call: final state is the initial state
+    ],
+)
+def test_triton_matches_naive_slow_decay(T, positions, K, V):
+    check_triton_matches_naive(T, positions, with_state=True, strong_decay=False, K=K, V=V)
+
+
+@pytest.mark.triton
+def test_triton_matches_naive_chunk_len_16():
+    # The naive path cut at the same points as the Triton one: agreement is not an accident
+    # of chunk_len.
+    q, k, v, g, beta, h0 = make_inputs(T=33, seed=4)
+    kw = dict(initial_state=h0, state_positions=(3, 16, 30))
+    o_n, s_n, ps_n = naive_chunk_kda(q, k, v, g, beta, chunk_len=16, **kw)
+    o_t, s_t, ps_t = chunk_kda(q, k, v, g, beta, impl="triton", **kw)
+    for got, expected in ((o_t, o_n), (s_t, s_n), (ps_t, ps_n)):
+        assert rel_err(got, expected) <= TOL
+
+
+def test_naive_impl_is_naive_chunk_kda():
+    q, k, v, g, beta, h0 = make_inputs(T=7)
+    kw = dict(initial_state=h0, state_positions=(0, 3), chunk_len=4)
+    expected = naive_chunk_kda(q, k, v, g, beta, **kw)
+    for got, want in zip(chunk_kda(q, k, v, g, beta, **kw), expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+def test_bad_inputs_raise(impl):
+    q, k, v, g, beta, h0 = make_inputs(T=7)
+    with pytest.raises(ValueError, match="k shape .* must equal q shape"):
+        chunk_kda(q, k[:, :3], v, g, beta, impl=impl)
+    with pytest.raises(ValueError, match="initial_state shape"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0[:1], impl=impl)
+    with pytest.raises(ValueError, match=r"state position 8 out of range: expected 0 <= p <= T=7"):
+        chunk_kda(q, k, v, g, beta, state_positions=(2, 8), impl=impl)
+    with pytest.raises(ValueError, match="strictly increasing, got 2 after 3"):
+        chunk_kda(q, k, v, g, beta, state_positions=(3, 2), impl=impl)
+    with pytest.raises(ValueError, match="chunk_len must be a positive int, got 0"):
+        chunk_kda(q, k, v, g, beta, chunk_len=0, impl=impl)
+    with pytest.raises(ValueError, match="impl must be one of .* got 'chunk'"):
+        chunk_kda(q, k, v, g, beta, impl="chunk")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_without_interpreter_raises(monkeypatch):
+    q, k, v, g, beta, h0 = make_inputs(T=7)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0, impl="triton")

@@ -1,0 +1,168 @@
+"""Paged absorbed MLA decode: the naive path must equal the reference absorbed attention on
+each sequence's gathered cache, and the Triton kernel must equal the naive path, reading the
+pool only through the block table (poisoned slots and table entries past a sequence stay
+unread)."""
+
+import pytest
+import torch
+
+from kernels.impl import IMPLS, check_impl, default_impl
+from kernels.mla.naive import naive_mla_attention_absorbed
+from kernels.mla.paged import paged_mla_decode
+
+TOL = 1e-5
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_paged(
+    seq_lens, *, H=3, Dc=24, Dr=8, block_tokens=5, spare_pages=3, seed=0, table_dtype=torch.int32
+):
+    """A page pool holding each sequence's latent rows on shuffled pages.
+
+    Returns (q_lat, q_rope, cache, block_tables, seq_lens, kv_per_seq). The cache is a
+    non-contiguous view into a flat buffer whose page stride exceeds a page's rows; every
+    element no sequence needs (tail slots, spare pages, page padding) is NaN, and block-table
+    entries past a sequence's pages are -1 or a huge id, so reading any of them shows up.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    L = Dc + Dr
+    num_blocks = [-(-s // block_tokens) for s in seq_lens]
+    num_pages = sum(num_blocks) + spare_pages
+    page_elems = block_tokens * L + 11  # page stride larger than the layer's rows
+    offset = 3  # the layer does not start at the page start
+    buf = torch.full((num_pages, page_elems + offset), float("nan"))  # [num_pages, page_elems]
+    cache = buf[:, offset : offset + block_tokens * L].view(num_pages, block_tokens, L)
+    max_blocks = max(num_blocks) + 2
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int64)
+    block_tables[:, -1] = 10**6 if table_dtype == torch.int64 else 2**31 - 1  # never read
+    pages = torch.randperm(num_pages, generator=gen).tolist()
+    kv_per_seq = []
+    for b, (seq_len, n) in enumerate(zip(seq_lens, num_blocks)):
+        kv = torch.randn(seq_len, L, generator=gen)  # [S, Dc + Dr]
+        kv_per_seq.append(kv)
+        own, pages = pages[:n], pages[n:]
+        block_tables[b, :n] = torch.tensor(own)
+        for t in range(seq_len):
+            cache[own[t // block_tokens], t % block_tokens] = kv[t]
+    q_lat = torch.randn(len(seq_lens), H, Dc, generator=gen)  # [B, H, Dc]
+    q_rope = torch.randn(len(seq_lens), H, Dr, generator=gen)  # [B, H, Dr]
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)  # [B]
+    buf = buf.to(DEVICE)  # move the buffer, not the view: .to() would compact the view
+    cache = buf[:, offset : offset + block_tokens * L].view(num_pages, block_tokens, L)
+    assert not cache.is_contiguous()
+    block_tables = block_tables.to(table_dtype)
+    moved = (x.to(DEVICE) for x in (q_lat, q_rope, block_tables, seq_lens_t))
+    q_lat, q_rope, block_tables, seq_lens_t = moved
+    return q_lat, q_rope, cache, block_tables, seq_lens_t, kv_per_seq
+
+
+@pytest.mark.parametrize("Dr", [0, 8])
+@pytest.mark.parametrize("block_tokens", [4, 5])
+def test_naive_matches_reference_on_gathered_cache(Dr, block_tokens):
+    seq_lens = [1, 5, 17, 30, 8]
+    Dc, H, scale = 24, 3, 0.37
+    q_lat, q_rope, cache, tables, lens, kv_per_seq = make_paged(
+        seq_lens, H=H, Dc=Dc, Dr=Dr, block_tokens=block_tokens
+    )
+    o = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale)
+    assert o.shape == (len(seq_lens), H, Dc) and o.dtype == q_lat.dtype
+    eye = torch.eye(Dc).expand(H, Dc, Dc)  # W_uk = W_uv = I: q_nope is q_lat, o is o_lat
+    for b, seq_len in enumerate(seq_lens):
+        ref = naive_mla_attention_absorbed(
+            q_lat[b : b + 1].cpu(),
+            q_rope[b : b + 1].cpu(),
+            kv_per_seq[b],
+            eye,
+            eye,
+            scale=scale,
+            q_start=seq_len - 1,
+        )  # [1, H, Dc]
+        assert rel_err(o[b : b + 1].cpu(), ref) <= TOL, b
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    "Dr, Dc, H, block_tokens, table_dtype",
+    [
+        (0, 16, 2, 4, torch.int32),
+        (8, 24, 3, 5, torch.int64),
+        (4, 20, 17, 16, torch.int32),  # H > 16: two head blocks; Dr, Dc not powers of two
+    ],
+)
+def test_triton_matches_naive(Dr, Dc, H, block_tokens, table_dtype):
+    seq_lens = [1, 5, 17, 30]
+    q_lat, q_rope, cache, tables, lens, _ = make_paged(
+        seq_lens, H=H, Dc=Dc, Dr=Dr, block_tokens=block_tokens, table_dtype=table_dtype, seed=1
+    )
+    expected = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="naive")
+    got = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="triton")
+    assert got.dtype == expected.dtype
+    assert rel_err(got, expected) <= TOL
+
+
+@pytest.mark.triton
+def test_triton_peaked_softmax():
+    # Large scores: the online softmax must rescale without overflow as the max moves.
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([30, 17], H=2, seed=2)
+    expected = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=4.0)
+    got = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=4.0, impl="triton")
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expected) <= TOL
+
+
+def test_inputs_not_mutated():
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([5, 9])
+    before = [x.clone() for x in (q_lat, q_rope, cache, tables, lens)]
+    for impl in IMPLS:
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.5, impl=impl)
+        for x, y in zip((q_lat, q_rope, cache, tables, lens), before):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+def test_bad_inputs_raise():
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([5, 9], H=3, Dc=24, Dr=8, block_tokens=5)
+    kw = dict(scale=0.5)
+    with pytest.raises(ValueError, match=r"q_lat must be \[B, H, Dc\]"):
+        paged_mla_decode(q_lat[0], q_rope, cache, tables, lens, **kw)
+    with pytest.raises(ValueError, match="q_rope shape"):
+        paged_mla_decode(q_lat, q_rope[:, :2], cache, tables, lens, **kw)
+    with pytest.raises(ValueError, match=r"cache shape .* \[num_pages, block_tokens, 32\]"):
+        paged_mla_decode(q_lat, q_rope, cache[..., :31], tables, lens, **kw)
+    with pytest.raises(ValueError, match="block_tables dtype .* torch.float32"):
+        paged_mla_decode(q_lat, q_rope, cache, tables.float(), lens, **kw)
+    with pytest.raises(ValueError, match="block_tables shape"):
+        paged_mla_decode(q_lat, q_rope, cache, tables[:1], lens, **kw)
+    with pytest.raises(ValueError, match="seq_lens shape"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens[:1], **kw)
+    with pytest.raises(ValueError, match="seq_lens must be >= 1.* got 0"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, torch.zeros_like(lens), **kw)
+    capacity = tables.shape[1] * 5
+    too_long = torch.full_like(lens, capacity + 1)
+    with pytest.raises(ValueError, match=f"seq_len {capacity + 1} exceeds .* = {capacity}"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, too_long, **kw)
+    holes = tables.clone()
+    holes[1, 0] = -1
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = -1 is not a page id"):
+        paged_mla_decode(q_lat, q_rope, cache, holes, lens, **kw)
+    with pytest.raises(ValueError, match="impl must be one of .* got 'cuda'"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens, impl="cuda", **kw)
+
+
+def test_impl_switch():
+    assert check_impl("naive") == "naive" and check_impl("triton") == "triton"
+    with pytest.raises(ValueError, match=r"impl must be one of \('naive', 'triton'\), got 'fast'"):
+        check_impl("fast")
+    assert default_impl() == ("triton" if torch.cuda.is_available() else "naive")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_without_interpreter_raises(monkeypatch):
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([5])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.5, impl="triton")

@@ -1,0 +1,133 @@
+"""The engine against the plain model: continuous batching, chunked prefill, preemption, forks."""
+import pytest
+import torch
+
+from rollout.engine import Engine, EngineConfig
+from rollout.sampling import SamplingParams
+from tests.rollout.conftest import greedy_reference
+
+
+def make_prompts(num: int, seed: int, lo: int = 1, hi: int = 150) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (num,), generator=gen).tolist()
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lens]
+
+
+def test_greedy_batch_with_chunked_prefill_and_preemption_equals_plain_model(tiny_model):
+    prompts = make_prompts(32, seed=0)
+    num_new = 12
+    engine = Engine(tiny_model, EngineConfig(num_pages=24, max_model_len=256, max_num_batched_tokens=48,
+                                             check_every_step=True, show_progress=False))
+    assert max(map(len, prompts)) > 48  # prompts longer than a step's budget: chunked prefill
+    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=num_new, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for all 32 at once"
+    assert engine.pool.num_free == engine.pool.num_pages and not engine.requests
+    engine.check_integrity()
+    for prompt, out in zip(prompts, outputs):
+        expected_tokens, expected_logprobs = greedy_reference(tiny_model, prompt, num_new)
+        (sample,) = out.samples
+        assert sample.tokens == expected_tokens
+        got, want = torch.tensor(sample.logprobs), torch.tensor(expected_logprobs)
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5
+        assert sample.finish_reason == "length" and sample.versions == [0] * num_new
+
+
+def test_parallel_sampling_shares_prompt_pages_and_matches_independent_requests(tiny_model):
+    prompt = make_prompts(1, seed=1, lo=2000, hi=2001)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=123, n=8, ignore_eos=True)
+    # A budget that admits all 8 independent prompts in one step, so both runs hold 8 live samples.
+    cfg = EngineConfig(num_pages=400, max_model_len=2100, max_num_batched_tokens=16384, show_progress=False,
+                       check_every_step=True)
+    forked = Engine(tiny_model, cfg)
+    (out,) = forked.generate([prompt], params)
+    independent = Engine(tiny_model, cfg)
+    singles = independent.generate([prompt] * 8, [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8,
+                                                                 seed=123 + i, ignore_eos=True) for i in range(8)])
+    assert [s.tokens for s in out.samples] == [o.samples[0].tokens for o in singles]
+    assert len({tuple(s.tokens) for s in out.samples}) > 1  # the forks really sample differently
+    bt = forked.layout.block_tokens
+    prompt_pages = -(-len(prompt) // bt)
+    kda = forked.cache.num_kda_groups
+    # independent: 8 private copies of everything; forked: the prompt's pages once, + per extra fork
+    # its KDA state pages and a copy of the partially filled tail page
+    assert independent.peak_pages_used == 8 * (prompt_pages + kda)
+    assert forked.peak_pages_used == prompt_pages + kda + 7 * (kda + 1)
+    print(f"pages: forked {forked.peak_pages_used} vs independent {independent.peak_pages_used}; MLA block-tokens "
+          f"{(prompt_pages + 7) * bt} vs {8 * prompt_pages * bt}")
+    assert forked.pool.num_free == forked.pool.num_pages
+
+
+def test_aborting_one_fork_request_leaves_others_running(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=256, show_progress=False,
+                                             check_every_step=True))
+    a = engine.add_request(list(range(40)), SamplingParams(temperature=1.0, n=4, max_new_tokens=20, seed=5,
+                                                            ignore_eos=True))
+    b = engine.add_request(list(range(30)), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort(a)
+    done = []
+    while engine.has_unfinished:
+        done += engine.step()
+    assert [o.request_id for o in done] == [b]
+    assert done[0].samples[0].tokens == greedy_reference(tiny_model, list(range(30)), 6)[0]
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=64, show_progress=False))
+    good = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match="prompt of 64 tokens does not fit max_model_len=64"):
+        engine.add_request(list(range(64)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match=r"prompt token ids \[300\] out of range \[0, 259\)"):
+        engine.add_request([1, 300])
+    for bad, message in [(dict(temperature=-1.0), "temperature=-1.0"), (dict(top_p=0.0), "top_p=0.0"),
+                         (dict(top_k=-2), "top_k=-2"), (dict(max_new_tokens=0), "max_new_tokens=0"),
+                         (dict(n=0), "n=0")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request([1, 2], SamplingParams(**bad))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], request_id=good)
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == [good] and len(outputs[0].samples[0].tokens) == 4
+
+
+def test_generation_stops_at_max_model_len_and_eos(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=20, show_progress=False))
+    (out,) = engine.generate([list(range(15))], SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))
+    assert len(out.samples[0].tokens) == 5 and out.samples[0].finish_reason == "length"
+    first = greedy_reference(tiny_model, [7, 8, 9], 1)[0][0]
+    (out,) = engine.generate([[7, 8, 9]], SamplingParams(temperature=0.0, stop_token_ids=(first,)))
+    assert out.samples[0].tokens == [first] and out.samples[0].finish_reason == "stop"
+
+
+def test_pause_resume_sleep_wake_and_weight_update(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=128, show_progress=False,
+                                             check_every_step=True))
+    prompt = list(range(50, 90))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.pause(rid)
+    used = engine.pool.num_used
+    engine.step()
+    assert engine.pool.num_used == used  # paused: pages kept, nothing computed
+    engine.resume(rid)
+    engine.step()
+    engine.sleep()
+    assert engine.pool.is_released
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.step()
+    engine.wake()
+    engine.load_weights(tiny_model.state_dict(), version=3)
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    sample = outputs[0].samples[0]
+    assert sample.tokens == greedy_reference(tiny_model, prompt, 10)[0]  # recomputed after sleep, same tokens
+    assert sample.versions[0] == 0 and sample.versions[-1] == 3
+    assert engine.pool.num_free == engine.pool.num_pages
