@@ -88,8 +88,9 @@ class KDALayer(nn.Module):
         """
         bsz, new_len, channels = mixed.shape
         ext = torch.cat([tail.to(mixed.dtype), mixed], dim=1)  # [B, K-1+L, 3*qkv]
-        weight = self.conv_weight
-        conv = F.conv1d(ext.transpose(1, 2), weight[:, None, :], groups=channels).transpose(1, 2)  # [B, L, 3*qkv]
+        # Depthwise causal conv as a sliding window product (one op for decode and prefill alike).
+        windows = ext.unfold(1, self.kernel, 1)  # [B, L, 3*qkv, K]
+        conv = (windows * self.conv_weight).sum(-1)  # [B, L, 3*qkv]
         q, k, v = F.silu(conv).view(bsz, new_len, 3, self.num_heads, self.head_dim).unbind(2)
         return l2norm(q.float()), l2norm(k.float()), v.float(), ext
 

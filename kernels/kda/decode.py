@@ -69,12 +69,15 @@ def _check_inputs(q, k, v, g, beta, state, state_pages) -> tuple[int, ...]:
 
 
 def _kda_decode_naive(q, k, v, g, beta, state, state_pages, scale) -> Tensor:
+    """Gather the states, apply one step of the recurrence (as naive_recurrent_kda), scatter back."""
     pages = state_pages.long()  # [B]
-    S = state[pages]  # [B, H, K, V] a gathered copy
-    step = [x.unsqueeze(1) for x in (q, k, v, g, beta)]  # T = 1: [B, 1, H, *]
-    o, S, _ = naive_recurrent_kda(*step, scale=scale, initial_state=S)
-    state.index_copy_(0, pages, S)
-    return o[:, 0]  # [B, H, V]
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = state[pages] * g.exp().unsqueeze(-1)  # [B, H, K, V] decayed copy
+    predicted = (k.unsqueeze(-1) * S).sum(-2)  # [B, H, V] S'^T k
+    S = S + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - predicted)).unsqueeze(-2)
+    o = (scale * q.unsqueeze(-1) * S).sum(-2)  # [B, H, V]
+    state.index_copy_(0, pages, S.to(state.dtype))
+    return o
 
 
 @triton.jit

@@ -79,19 +79,21 @@ def _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens) -> tuple[int, ..
 
 
 def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale) -> Tensor:
-    """Gathers each sequence's pages into [seq_len, Dc + Dr], then plain softmax attention."""
+    """Gathers every sequence's pages into one padded [B, max_len, Dc + Dr] batch, then plain
+    softmax attention with positions >= seq_len masked out."""
     B, H, Dc = q_lat.shape
     block_tokens = cache.shape[1]
     f32 = torch.float32
-    o_lat = torch.empty(B, H, Dc, dtype=f32, device=q_lat.device)  # [B, H, Dc]
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        num_blocks = -(-seq_len // block_tokens)
-        pages = block_tables[b, :num_blocks].long()  # [num_blocks] only the pages needed
-        kv = cache[pages].reshape(num_blocks * block_tokens, -1)[:seq_len].to(f32)  # [S, Dc+Dr]
-        c_kv, k_rope = kv[:, :Dc], kv[:, Dc:]  # [S, Dc], [S, Dr]
-        scores = q_lat[b].to(f32) @ c_kv.T + q_rope[b].to(f32) @ k_rope.T  # [H, S]
-        o_lat[b] = (scores * scale).softmax(dim=-1) @ c_kv
-    return o_lat.to(q_lat.dtype)
+    lens = seq_lens.to(device=q_lat.device, dtype=torch.long)  # [B]
+    num_blocks = int((lens.max() + block_tokens - 1) // block_tokens)
+    pages = block_tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]; unused entries read page 0, masked below
+    kv = cache[pages].reshape(B, num_blocks * block_tokens, -1).to(f32)  # [B, S, Dc + Dr]
+    valid = torch.arange(num_blocks * block_tokens, device=q_lat.device) < lens[:, None]  # [B, S]
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # slots past seq_len may hold anything, even NaN
+    c_kv, k_rope = kv[..., :Dc], kv[..., Dc:]  # [B, S, Dc], [B, S, Dr]
+    scores = q_lat.to(f32) @ c_kv.transpose(1, 2) + q_rope.to(f32) @ k_rope.transpose(1, 2)  # [B, H, S]
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    return (scores.softmax(dim=-1) @ c_kv).to(q_lat.dtype)  # [B, H, Dc]
 
 
 @triton.jit

@@ -72,8 +72,8 @@ def test_naive_is_recurrent_reference_and_in_place():
     gathered = before[:, : H * 3 * K * V].view(7, H, 3, K, V)[pages.long(), :, 1]  # [B, H, K, V]
     step = [x.unsqueeze(1) for x in (q, k, v, g, beta)]  # [B, 1, H, *]
     o_ref, s_ref, _ = naive_recurrent_kda(*step, scale=0.7, initial_state=gathered)
-    assert torch.equal(o, o_ref[:, 0])
-    assert torch.equal(state[pages.long()], s_ref)
+    assert rel_err(o, o_ref[:, 0]) <= 1e-6  # same recurrence, batched ops (rounding only)
+    assert rel_err(state[pages.long()], s_ref) <= 1e-6
     touched = touched_mask(buf, pages, H, K, V)
     assert torch.equal(buf[~touched], before[~touched])
     assert not torch.equal(buf[touched], before[touched])
