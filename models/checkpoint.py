@@ -4,13 +4,14 @@ A directory holds `config.json` plus either `model.safetensors` or shards listed
 `model.safetensors.index.json` ({"metadata": {"total_size": ...}, "weight_map": {name: file}}).
 The on-disk tensor layout is Moonshot's original one, which real Kimi-Linear checkpoints and
 transformers' `save_pretrained` of `kimi_linear` both use. Our module names equal it except for
-two rules (the whole name map):
+three rules (the whole name map):
 
-    ours                                   on disk
-    model.layers.N.mlp.<rest>          <-> model.layers.N.block_sparse_moe.<rest>   (dense MLPs too)
-    model.layers.N.self_attn.A_log [H] <-> model.layers.N.self_attn.A_log [1, 1, H, 1]
+    ours                                         on disk
+    model.layers.N.mlp.<rest>                <-> model.layers.N.block_sparse_moe.<rest>   (dense MLPs too)
+    model.layers.N.self_attn.A_log [H]       <-> model.layers.N.self_attn.A_log [1, 1, H, 1]
+    ...mlp.experts.w{1,2,3} [E, out, in]     <-> ...block_sparse_moe.experts.{e}.w{1,2,3}.weight [out, in]
 
-Experts stay per-expert (`experts.N.w1/w2/w3.weight`), the short convs stay split
+(experts are stacked in memory so they run as batched matmuls). The short convs stay split
 (`q_conv1d/k_conv1d/v_conv1d.weight`, [channels, 1, kernel]), `A_log`/`dt_bias`/`f_a_proj`/`f_b_proj`
 sit directly under `self_attn`. Gated MLA's `o_gate_proj` is our extension (absent in Kimi Linear).
 Tensors keep their on-disk dtype unless a dtype is asked for.
@@ -32,7 +33,6 @@ from models.model import HybridLM
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MLP = re.compile(r"^(model\.layers\.\d+\.)mlp\.")
-_MOE = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.")
 # Kept in float32 whatever the model dtype, as in the reference (routing and decay are precision-sensitive).
 _FP32_SUFFIXES = ("e_score_correction_bias", "mlp.gate.weight", "dt_bias", "A_log")
 
@@ -41,16 +41,23 @@ class CheckpointError(ValueError):
     """A checkpoint directory does not match the model its config describes."""
 
 
+_STACKED_EXPERTS = re.compile(r"^(.*)\.experts\.(w[123])$")
+
+
 def to_disk_name(name: str) -> str:
     return _MLP.sub(r"\1block_sparse_moe.", name)
 
 
-def from_disk_name(name: str) -> str:
-    return _MOE.sub(r"\1mlp.", name)
-
-
-def _disk_shape(name: str, shape: torch.Size) -> tuple[int, ...]:
-    return (1, 1, shape[0], 1) if name.endswith("self_attn.A_log") else tuple(shape)
+def _to_disk(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One of our tensors -> its on-disk (name, tensor) pieces (views, no copies)."""
+    disk = to_disk_name(name)
+    if name.endswith("self_attn.A_log"):
+        return [(disk, tensor.reshape(1, 1, -1, 1))]
+    stacked = _STACKED_EXPERTS.match(disk)
+    if stacked:
+        prefix, w = stacked.groups()
+        return [(f"{prefix}.experts.{e}.{w}.weight", tensor[e]) for e in range(tensor.shape[0])]
+    return [(disk, tensor)]
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -86,11 +93,12 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
     """
     path = Path(path)
     on_disk = _read_tensors(path)
-    expected = {to_disk_name(n): (n, _disk_shape(n, t.shape)) for n, t in model.state_dict(keep_vars=True).items()}
-    missing = [f"{d} (expected shape {list(s)})" for d, (_, s) in expected.items() if d not in on_disk]
+    ours = model.state_dict(keep_vars=True)
+    expected = {d: tuple(t.shape) for n, p in ours.items() for d, t in _to_disk(n, p)}
+    missing = [f"{d} (expected shape {list(s)})" for d, s in expected.items() if d not in on_disk]
     extra = [f"{d} (shape {list(t.shape)})" for d, t in on_disk.items() if d not in expected]
-    bad_shape = [f"{d}: expected shape {list(expected[d][1])}, found {list(t.shape)}"
-                 for d, t in on_disk.items() if d in expected and tuple(t.shape) != expected[d][1]]
+    bad_shape = [f"{d}: expected shape {list(expected[d])}, found {list(t.shape)}"
+                 for d, t in on_disk.items() if d in expected and tuple(t.shape) != expected[d]]
     if missing or extra or bad_shape:
         lines = [f"checkpoint {path} does not match the model described by its config:"]
         for title, items in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", bad_shape)):
@@ -98,10 +106,9 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
                 lines.append(f"  {title} ({len(items)}): " + "; ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
         raise CheckpointError("\n".join(lines))
     state = {}
-    for disk_name, tensor in on_disk.items():
-        name, _ = expected[disk_name]
-        if name.endswith("self_attn.A_log"):
-            tensor = tensor.reshape(-1)
+    for name, param in ours.items():
+        pieces = [on_disk[d] for d, _ in _to_disk(name, param)]
+        tensor = torch.stack(pieces) if _STACKED_EXPERTS.match(to_disk_name(name)) else pieces[0].reshape(param.shape)
         if dtype is not None and tensor.is_floating_point() and not name.endswith(_FP32_SUFFIXES):
             tensor = tensor.to(dtype)
         state[name] = tensor
@@ -133,10 +140,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | No
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().to("cpu")
-        tensors[to_disk_name(name)] = t.reshape(_disk_shape(name, t.shape)).contiguous()
+    tensors = {d: t.detach().to("cpu").contiguous() for n, p in model.state_dict().items() for d, t in _to_disk(n, p)}
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, t in tensors.items():

@@ -5,7 +5,7 @@ choice scores = scores + e_score_correction_bias (a load-balancing bias that ste
 only); experts are split into groups, each group scored by the sum of its top-2 choice scores,
 the top `topk_group` groups are kept; top-k experts among them; weights are the plain sigmoid
 scores of the chosen experts, renormalised (optional), times routed_scaling_factor. Shared
-experts run on every token. Expert weights are named like the checkpoint (`experts.N.w1/w2/w3`).
+experts run on every token.
 """
 from __future__ import annotations
 
@@ -27,17 +27,40 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Expert(nn.Module):
-    """One routed expert, SwiGLU with the checkpoint's names: w1 = gate, w3 = up, w2 = down."""
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I].
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Stacked so that all experts run in a few batched matmuls; the checkpoint keeps one tensor per
+    expert (`experts.N.w1.weight`), see models/checkpoint.py.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [N, D]; weights, ids: [N, top_k] -> sum_k weights * expert_ids(x): [N, D]."""
+        num_experts, top_k = self.w1.shape[0], ids.shape[1]
+        if num_experts <= 4 * top_k:
+            # Few experts: run every expert on every token (at most 4x the routed FLOPs) and combine
+            # with a dense routing matrix: 6 ops instead of ~10 per expert, which is what small
+            # batches pay for.
+            h = F.silu(torch.einsum("nd,eid->eni", x, self.w1)) * torch.einsum("nd,eid->eni", x, self.w3)
+            y = torch.einsum("eni,edi->end", h, self.w2)  # [E, N, D]
+            dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
+            dense.scatter_(1, ids, weights)  # [N, E]
+            return torch.einsum("end,ne->nd", y.to(dense.dtype), dense).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            xe = x[token]
+            y = F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+            # index_put_ with accumulate rather than index_add_: the same sum (a token meets each
+            # expert once), and index_add_ is orders of magnitude slower on a busy 2-core CPU.
+            out.index_put_((token,), (y * weights[token, slot, None]).to(out.dtype), accumulate=True)
+        return out
 
 
 class Router(nn.Module):
@@ -70,21 +93,14 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, D] -> [N, D]. Each expert runs once on the tokens routed to it."""
+        """x: [N, D] -> [N, D]."""
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            # index_put_ with accumulate rather than index_add_: the same sum (a token meets each
-            # expert once), and index_add_ is ~10^4x slower on CPU in torch 2.13.
-            out.index_put_((token,), y.to(out.dtype), accumulate=True)
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

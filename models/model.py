@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from models.config import ModelConfig
 from models.kda import KDALayer
 from models.mla import MLALayer
-from models.mlp import MoE, Router, SwiGLU
+from models.mlp import Experts, MoE, Router, SwiGLU
 from models.norms import GatedRMSNorm, RMSNorm
 from models.state import KDACheckpoint, SegmentBatch, SequenceState
 
@@ -89,6 +89,9 @@ class HybridLM(nn.Module):
                 module.weight.fill_(1.0)
             if isinstance(module, Router):
                 module.e_score_correction_bias.zero_()
+            if isinstance(module, Experts):
+                for weight in (module.w1, module.w2, module.w3):
+                    normal_(weight)
             if isinstance(module, KDALayer):
                 # A in [1, 16] (log-stored); dt in [1e-3, 1e-1] stored as its inverse softplus.
                 module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1, 16, generator=gen).log())

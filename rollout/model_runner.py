@@ -38,7 +38,7 @@ class ModelRunner:
     def invalidate_views(self) -> None:
         self._views = None
 
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per op than no_grad: no version counters or view tracking
     def run(self, step: ScheduledStep) -> tuple[list[int], torch.Tensor]:
         """Compute the step's tokens into the pool. Returns (indices into step.seqs that reached
         their last token, their next-token logits [num_sampling, vocab] float32)."""

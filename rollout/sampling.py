@@ -54,17 +54,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            ) -> tuple[list[int], list[float]]:
     """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above)."""
     logits = logits.float()
-    tokens, logprobs = [], []
-    for row, p, gen in zip(logits, params, generators):
-        scaled = row if p.temperature == 0 else row / p.temperature
-        logp = torch.log_softmax(scaled, dim=-1)  # [vocab]
-        if p.temperature == 0:
-            token = int(row.argmax())
-        else:
-            token = int(torch.multinomial(truncate(logp, p.top_k, p.top_p).exp(), 1, generator=gen))
-        tokens.append(token)
-        logprobs.append(float(logp[token]))
-    return tokens, logprobs
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, vocab]
+    tokens = logits.argmax(dim=-1)  # greedy rows keep these
+    for b, (p, gen) in enumerate(zip(params, generators)):
+        if p.temperature > 0:
+            tokens[b] = torch.multinomial(truncate(logp[b], p.top_k, p.top_p).exp(), 1, generator=gen)[0]
+    return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
 
 
 def truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -71,12 +71,16 @@ def _check_inputs(q, k, v, g, beta, state, state_pages) -> tuple[int, ...]:
 def _kda_decode_naive(q, k, v, g, beta, state, state_pages, scale) -> Tensor:
     """Gather the states, apply one step of the recurrence (as naive_recurrent_kda), scatter back."""
     pages = state_pages.long()  # [B]
+    B, H, K = q.shape
+    V = v.shape[-1]
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = state[pages] * g.exp().unsqueeze(-1)  # [B, H, K, V] decayed copy
-    predicted = (k.unsqueeze(-1) * S).sum(-2)  # [B, H, V] S'^T k
-    S = S + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - predicted)).unsqueeze(-2)
-    o = (scale * q.unsqueeze(-1) * S).sum(-2)  # [B, H, V]
-    state.index_copy_(0, pages, S.to(state.dtype))
+    S = state[pages].float().mul_(g.exp().unsqueeze(-1)).view(B * H, K, V)  # decayed copy
+    k_rows = k.reshape(B * H, 1, K)
+    predicted = torch.bmm(k_rows, S)  # [B*H, 1, V] S'^T k: what the state recalls
+    delta = (beta.reshape(B * H, 1, 1) * (v.reshape(B * H, 1, V) - predicted))  # [B*H, 1, V]
+    S.baddbmm_(k_rows.transpose(1, 2), delta)  # S += k delta^T
+    o = torch.bmm(scale * q.reshape(B * H, 1, K), S).view(B, H, V)
+    state.index_copy_(0, pages, S.view(B, H, K, V).to(state.dtype))
     return o
 
 

@@ -29,6 +29,19 @@ def test_logits_match_transformers_on_a_ragged_batch(hf_checkpoint, moe, q_lora_
         assert actual[b, n:].abs().sum() == 0  # padded positions are left empty
 
 
+def test_many_experts_take_the_routed_path(tmp_path):
+    """16 experts, top-2: the per-expert (routed) MoE path rather than the dense one."""
+    from tests.models.hf_reference import hf_config, random_hf_model
+
+    hf = random_hf_model(hf_config(moe=True, num_experts=16, num_experts_per_token=2), seed=2)
+    hf.save_pretrained(tmp_path)
+    ours = load_checkpoint(tmp_path)
+    assert ours.config.num_experts > 4 * ours.config.num_experts_per_token
+    ids = torch.randint(3, ours.config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(input_ids=ids).logits) <= TOL
+
+
 def test_a_wrong_weight_is_detected(hf_checkpoint):
     """The parity check has teeth: perturbing one norm weight of the last MLA layer moves the logits."""
     path, hf = hf_checkpoint(True, None, 4)
