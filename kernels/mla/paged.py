@@ -89,11 +89,11 @@ def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale)
     pages = block_tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]; unused entries read page 0, masked below
     kv = cache[pages].reshape(B, num_blocks * block_tokens, -1).to(f32)  # [B, S, Dc + Dr]
     valid = torch.arange(num_blocks * block_tokens, device=q_lat.device) < lens[:, None]  # [B, S]
-    kv = kv.masked_fill(~valid[..., None], 0.0)  # slots past seq_len may hold anything, even NaN
-    c_kv, k_rope = kv[..., :Dc], kv[..., Dc:]  # [B, S, Dc], [B, S, Dr]
-    scores = q_lat.to(f32) @ c_kv.transpose(1, 2) + q_rope.to(f32) @ k_rope.transpose(1, 2)  # [B, H, S]
-    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    return (scores.softmax(dim=-1) @ c_kv).to(q_lat.dtype)  # [B, H, Dc]
+    kv.masked_fill_(~valid[..., None], 0.0)  # slots past seq_len may hold anything, even NaN
+    q = torch.cat([q_lat, q_rope], dim=-1).to(f32)  # [B, H, Dc + Dr]: one product scores both parts
+    scores = (q @ kv.transpose(1, 2)) * scale  # [B, H, S]
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    return (scores.softmax(dim=-1) @ kv)[..., :Dc].to(q_lat.dtype)  # [B, H, Dc]
 
 
 @triton.jit
