@@ -20,7 +20,8 @@ import torch
 from rich.progress import Progress
 
 from kernels.impl import check_impl, default_impl
-from memory.page_pool import CacheLayout, OutOfPages, PagePool
+from memory.layout import CacheLayout
+from memory.page_pool import OutOfPages, PagePool
 from models.model import HybridLM
 from rollout.cache_manager import CacheManager
 from rollout.model_runner import ModelRunner

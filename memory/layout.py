@@ -1,0 +1,192 @@
+"""Geometry of the unified page pool: which layers share a page, block_tokens, page_bytes.
+
+See memory/page_pool.py for the words (cache group, slot, head-major KDA unit, MLA page).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.config import ModelConfig
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _chunk(layers: list[int], size: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(layers[i:i + size]) for i in range(0, len(layers), size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheLayout:
+    """How one model's caches map onto equal-size pages (pure geometry; owns no memory)."""
+
+    kda_groups: tuple[tuple[int, ...], ...]
+    """Layer indices of each KDA cache group, in layer order."""
+    mla_groups: tuple[tuple[int, ...], ...]
+    """Layer indices of each MLA cache group, in layer order."""
+    group_layers: int
+    """Slots per page: layers per cache group (the last group of a kind may be shorter)."""
+    num_heads: int
+    """KDA heads H."""
+    head_dim: int
+    """KDA key and value head dimension (dk = dv)."""
+    conv_kernel: int
+    """KDA short-convolution kernel; a conv tail keeps kernel-1 tokens."""
+    latent_dim: int
+    """MLA numbers per token and layer: kv_lora_rank + qk_rope_head_dim."""
+    block_tokens: int
+    """Tokens per MLA page."""
+    page_bytes: int
+    """Bytes of every page, KDA or MLA."""
+    state_dtype: torch.dtype = torch.float32
+    """Element type of KDA pages (S and conv tails)."""
+    cache_dtype: torch.dtype = torch.float32
+    """Element type of MLA pages."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_layers", "num_heads", "head_dim", "conv_kernel", "latent_dim", "block_tokens",
+                     "page_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"cache layout: {name}={value!r}, expected a positive integer")
+        object.__setattr__(self, "kda_groups", tuple(tuple(int(i) for i in g) for g in self.kda_groups))
+        object.__setattr__(self, "mla_groups", tuple(tuple(int(i) for i in g) for g in self.mla_groups))
+        if not self.kda_groups and not self.mla_groups:
+            raise ValueError("cache layout: no cache groups (kda_groups and mla_groups are both empty)")
+        seen: set[int] = set()
+        for kind, groups in (("kda", self.kda_groups), ("mla", self.mla_groups)):
+            for g, layers in enumerate(groups):
+                if not 0 < len(layers) <= self.group_layers:
+                    raise ValueError(f"cache layout: {kind} group {g} has {len(layers)} layers {list(layers)}, "
+                                     f"expected 1..group_layers={self.group_layers}")
+                for layer in layers:
+                    if layer < 0 or layer in seen:
+                        raise ValueError(f"cache layout: layer {layer} in {kind} group {g} is negative or already "
+                                         f"in another group; expected each layer index >= 0 in one group")
+                    seen.add(layer)
+        for name, dtype in (("state_dtype", self.state_dtype), ("cache_dtype", self.cache_dtype)):
+            if self.page_bytes % _itemsize(dtype):
+                raise ValueError(f"cache layout: page_bytes={self.page_bytes} is not a multiple of {name}={dtype}'s "
+                                 f"{_itemsize(dtype)} bytes")
+        if self.page_bytes < self.kda_state_bytes_per_group * bool(self.kda_groups):
+            raise ValueError(f"cache layout: page_bytes={self.page_bytes} < kda_state_bytes_per_group="
+                             f"{self.kda_state_bytes_per_group}")
+        if self.page_bytes < self.mla_block_bytes * bool(self.mla_groups):
+            raise ValueError(f"cache layout: page_bytes={self.page_bytes} < block_tokens * mla_token_bytes_per_group"
+                             f"={self.block_tokens} * {self.mla_token_bytes_per_group}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, *, group_layers: int | None = None,
+                  state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.float32,
+                  block_tokens_multiple: int = 16, page_align_bytes: int = 256,
+                  block_tokens: int | None = None) -> "CacheLayout":
+        """Derive the layout of `config`'s caches.
+
+        group_layers: defaults to the number of MLA layers (3:1 model -> 3 KDA groups + 1 MLA group);
+          a model without MLA layers defaults to all its KDA layers in one group (one page = one
+          sequence's whole state).
+        block_tokens: None derives it, floor(kda_state_bytes_per_group / mla_token_bytes_per_group)
+          rounded down to a multiple of block_tokens_multiple (at least block_tokens_multiple); a model
+          without KDA layers has nothing to match and uses block_tokens_multiple (vLLM's default 16).
+          An explicit value overrides the derivation; page_bytes still fits both page kinds.
+        page_bytes = max(KDA state bytes, MLA block bytes), rounded up to page_align_bytes.
+        """
+        kda, mla = config.kda_layers, config.mla_layers
+        if group_layers is None:
+            group_layers = len(mla) or len(kda)
+        if not isinstance(group_layers, int) or not 0 < group_layers <= max(len(kda), len(mla)):
+            raise ValueError(f"cache layout: group_layers={group_layers!r}, expected 1..{max(len(kda), len(mla))} "
+                             f"(the model has {len(kda)} KDA and {len(mla)} MLA layers)")
+        for name, value in (("block_tokens_multiple", block_tokens_multiple), ("page_align_bytes", page_align_bytes)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"cache layout: {name}={value!r}, expected a positive integer")
+        if block_tokens is not None and (not isinstance(block_tokens, int) or block_tokens <= 0):
+            raise ValueError(f"cache layout: block_tokens={block_tokens!r}, expected None or a positive integer")
+        dk, kernel = config.linear_head_dim, config.linear_conv_kernel_dim
+        unit_elems = dk * dk + 3 * (kernel - 1) * dk
+        kda_bytes = config.linear_num_heads * group_layers * unit_elems * _itemsize(state_dtype)
+        mla_token_bytes = group_layers * config.mla_latent_dim * _itemsize(cache_dtype)
+        if block_tokens is None:
+            if kda:
+                block_tokens = (kda_bytes // mla_token_bytes) // block_tokens_multiple * block_tokens_multiple
+                block_tokens = max(block_tokens, block_tokens_multiple)
+            else:
+                block_tokens = block_tokens_multiple
+        needed = max(kda_bytes if kda else 0, block_tokens * mla_token_bytes if mla else 0)
+        return cls(kda_groups=_chunk(kda, group_layers), mla_groups=_chunk(mla, group_layers),
+                   group_layers=group_layers, num_heads=config.linear_num_heads, head_dim=dk, conv_kernel=kernel,
+                   latent_dim=config.mla_latent_dim, block_tokens=block_tokens,
+                   page_bytes=_round_up(needed, page_align_bytes), state_dtype=state_dtype, cache_dtype=cache_dtype)
+
+    # ---- derived figures -------------------------------------------------------------------------
+    @property
+    def kda_unit_elems(self) -> int:
+        """Elements of one head of one layer: S [dk, dv] + conv tails [3, kernel-1, dk]."""
+        return self.head_dim * self.head_dim + 3 * (self.conv_kernel - 1) * self.head_dim
+
+    @property
+    def kda_head_bytes(self) -> int:
+        """Bytes of one head's block in a KDA page (its unit in every slot of the group)."""
+        return self.group_layers * self.kda_unit_elems * _itemsize(self.state_dtype)
+
+    @property
+    def kda_state_bytes_per_group(self) -> int:
+        return self.num_heads * self.kda_head_bytes
+
+    @property
+    def mla_token_bytes_per_group(self) -> int:
+        return self.group_layers * self.latent_dim * _itemsize(self.cache_dtype)
+
+    @property
+    def mla_block_bytes(self) -> int:
+        """Bytes an MLA page uses: block_tokens tokens of every slot."""
+        return self.block_tokens * self.mla_token_bytes_per_group
+
+    @property
+    def kda_padding_bytes(self) -> int:
+        """Unused bytes at the end of every KDA page."""
+        return self.page_bytes - self.kda_state_bytes_per_group
+
+    @property
+    def mla_padding_bytes(self) -> int:
+        """Unused bytes at the end of every MLA page."""
+        return self.page_bytes - self.mla_block_bytes
+
+    @property
+    def groups(self) -> list[tuple[str, int]]:
+        """Every cache group's tag, KDA groups first."""
+        return [("kda", g) for g in range(len(self.kda_groups))] + [("mla", g) for g in range(len(self.mla_groups))]
+
+    def group_of(self, layer: int) -> tuple[str, int, int]:
+        """(kind "kda"|"mla", group index, slot in the group) of a layer."""
+        for kind, groups in (("kda", self.kda_groups), ("mla", self.mla_groups)):
+            for g, layers in enumerate(groups):
+                if layer in layers:
+                    return kind, g, layers.index(layer)
+        raise ValueError(f"cache layout: layer {layer!r} is in no cache group (KDA groups {list(self.kda_groups)}, "
+                         f"MLA groups {list(self.mla_groups)})")
+
+    def head_byte_range(self, head: int) -> tuple[int, int]:
+        """[start, end) bytes of KDA head `head`'s block in a KDA page: S and conv tails of every slot."""
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"cache layout: head={head!r}, expected 0..{self.num_heads - 1}")
+        return head * self.kda_head_bytes, (head + 1) * self.kda_head_bytes
+
+    def mla_pages_for(self, num_tokens: int) -> int:
+        """MLA pages (per MLA group) that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_tokens)
+
+    def describe(self) -> str:
+        """One-line summary for logs."""
+        return (f"page_bytes={self.page_bytes:,} block_tokens={self.block_tokens:,} group_layers={self.group_layers} "
+                f"kda_groups={[list(g) for g in self.kda_groups]} ({self.kda_state_bytes_per_group:,} B, "
+                f"{str(self.state_dtype).removeprefix('torch.')}, pad {self.kda_padding_bytes:,}) "
+                f"mla_groups={[list(g) for g in self.mla_groups]} ({self.mla_block_bytes:,} B, "
+                f"{str(self.cache_dtype).removeprefix('torch.')}, pad {self.mla_padding_bytes:,})")
