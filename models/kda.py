@@ -68,9 +68,8 @@ class KDALayer(nn.Module):
         """Per-channel log-decay g (<= 0), float32. x: [N, D] -> [N, H, dk]."""
         raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
-        # softplus with the reference's overflow guard: identity above 20.
-        softplus = torch.where(raw > 20.0, raw, torch.log1p(torch.exp(raw)))
-        return -torch.exp(self.A_log.float())[:, None] * softplus
+        # softplus with the reference's overflow guard (identity above 20), which F.softplus shares.
+        return -torch.exp(self.A_log.float())[:, None] * F.softplus(raw, beta=1.0, threshold=20.0)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token inputs of the mixer. x: [N, D] -> (pre-conv q|k|v [N, 3*qkv], g [N, H, dk] fp32,
@@ -88,9 +87,12 @@ class KDALayer(nn.Module):
         """
         bsz, new_len, channels = mixed.shape
         ext = torch.cat([tail.to(mixed.dtype), mixed], dim=1)  # [B, K-1+L, 3*qkv]
-        # Depthwise causal conv as a sliding window product (one op for decode and prefill alike).
-        windows = ext.unfold(1, self.kernel, 1)  # [B, L, 3*qkv, K]
-        conv = (windows * self.conv_weight).sum(-1)  # [B, L, 3*qkv]
+        # Depthwise causal conv as K shifted multiply-adds over contiguous slices (cheaper on CPU
+        # than conv1d or an unfolded window product for short inputs; same sum).
+        taps = self.conv_weight.t().contiguous()  # [K, 3*qkv]: tap j of every channel, contiguous
+        conv = ext[:, :new_len] * taps[0]  # [B, L, 3*qkv], a fresh tensor: safe to accumulate into
+        for j in range(1, self.kernel):
+            conv.addcmul_(ext[:, j:j + new_len], taps[j])
         q, k, v = F.silu(conv).view(bsz, new_len, 3, self.num_heads, self.head_dim).unbind(2)
         return l2norm(q.float()), l2norm(k.float()), v.float(), ext
 

@@ -44,14 +44,17 @@ class Experts(nn.Module):
         """x: [N, D]; weights, ids: [N, top_k] -> sum_k weights * expert_ids(x): [N, D]."""
         num_experts, top_k = self.w1.shape[0], ids.shape[1]
         if num_experts <= 4 * top_k:
-            # Few experts: run every expert on every token (at most 4x the routed FLOPs) and combine
-            # with a dense routing matrix: 6 ops instead of ~10 per expert, which is what small
-            # batches pay for.
-            h = F.silu(torch.einsum("nd,eid->eni", x, self.w1)) * torch.einsum("nd,eid->eni", x, self.w3)
-            y = torch.einsum("eni,edi->end", h, self.w2)  # [E, N, D]
-            dense = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)
-            dense.scatter_(1, ids, weights)  # [N, E]
-            return torch.einsum("end,ne->nd", y.to(dense.dtype), dense).to(x.dtype)
+            # Few experts: run every expert on every token (at most 4x the routed FLOPs), as two
+            # matmuls against all experts' weights at once, and fold the routing weights (zero for
+            # unchosen experts) in before the down projection: ~8 ops instead of ~10 per expert.
+            num_tokens, inter = x.shape[0], self.w1.shape[1]
+            gate = F.linear(x, self.w1.reshape(-1, self.w1.shape[-1]))  # [N, E*I]
+            up = F.linear(x, self.w3.reshape(-1, self.w3.shape[-1]))  # [N, E*I]
+            dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
+            dense.scatter_(1, ids, weights)  # [N, E] routing weights
+            h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
+            down = self.w2.permute(1, 0, 2).reshape(self.w2.shape[1], -1)  # [D, E*I]
+            return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
