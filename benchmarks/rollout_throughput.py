@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for i, pr in enumerate(prompts):
             ids[i, width - len(pr):] = torch.tensor(pr)
             mask[i, width - len(pr):] = 1
-        kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                      pad_token_id=pad)
+        # No eos at all (rather than min_new_tokens, which would mask eos out of the argmax while our
+        # engine, with ignore_eos, may still pick it): both run exactly new_tokens plain greedy steps.
+        hf.generation_config.eos_token_id = None
+        kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
         with torch.no_grad():
-            hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 2,
-                                                                      "min_new_tokens": 2})
+            hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 2})
             t0 = time.perf_counter()
             out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
             hf_s = time.perf_counter() - t0
