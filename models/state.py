@@ -84,4 +84,7 @@ class SegmentBatch:
 
     def positions(self, device: torch.device | None = None) -> torch.Tensor:
         """[num_tokens] absolute position of every packed token."""
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.new_lens)])
+        lens = torch.tensor(self.new_lens, device=device)
+        # token j of sequence i sits at starts[i] + (j - offsets[i]), in three ops whatever the batch
+        shift = torch.tensor(self.starts, device=device) - torch.tensor(self.offsets, device=device)
+        return torch.arange(self.num_tokens, device=device) + torch.repeat_interleave(shift, lens)

@@ -92,10 +92,8 @@ class CacheManager:
         tables = []
         for g in range(self.num_mla_groups):
             width = max(len(s.mla_pages[g]) for s in seqs)
-            table = torch.full((len(seqs), width), -1, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                table[i, :len(s.mla_pages[g])] = torch.tensor(s.mla_pages[g], dtype=torch.long)
-            tables.append(table)
+            rows = [s.mla_pages[g] + [-1] * (width - len(s.mla_pages[g])) for s in seqs]
+            tables.append(torch.tensor(rows, dtype=torch.long))  # one tensor per step, not one per sequence
         return tables
 
     def state_pages(self, seqs: list[Sequence]) -> list[torch.Tensor]:
