@@ -1,0 +1,126 @@
+"""Triton kernels vs their torch twins at Kimi-Linear sizes: agreement and timings, in one run.
+
+    python -m benchmarks.kernels            # on a CUDA machine: native Triton vs torch
+    python -m benchmarks.kernels --small    # quick shapes
+
+Without CUDA it times only the torch paths (the Triton ones are checked under the interpreter by
+`pytest -m triton`), unless TRITON_INTERPRET=1 is set (then `--small` checks this script end to end). Sizes follow Kimi-Linear-48B: KDA 32 heads of 128x128, MLA latent 512 + 64
+rope dims over 32 heads, pages of `--block-tokens` tokens. Final line:
+kda_decode_speedup=... mla_decode_speedup=... kda_chunk_speedup=... max_rel_err=... (triton / torch
+time ratios inverted: > 1 means the Triton kernel is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.kda.chunk import chunk_kda
+from kernels.kda.decode import kda_decode_step
+from kernels.mla.paged import paged_mla_decode
+
+
+def bench(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="small shapes (fast smoke run)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--block-tokens", type=int, default=1024)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    native = device.type == "cuda"
+    H, K = (4, 32) if args.small else (32, 128)
+    B, ctx, T = (8, 300, 256) if args.small else (64, 4096, 4096)
+    Dc, Dr, Hm = (64, 16, 4) if args.small else (512, 64, 32)
+    bt = 64 if args.small else args.block_tokens
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    figures: dict[str, float] = {}
+    errors = []
+    # Under TRITON_INTERPRET=1 (CPU) the Triton side runs too: slow, but it checks this script.
+    impls = ("naive", "triton") if native or os.environ.get("TRITON_INTERPRET") == "1" else ("naive",)
+    with_triton = "triton" in impls
+
+    # KDA decode: B sequences' states in pool pages, updated in place.
+    num_pages = 2 * B
+    state = randn(num_pages, H, K, K) * 0.1
+    pages = torch.randperm(num_pages, generator=gen)[:B].to(device)
+    q, k = F.normalize(randn(B, H, K), dim=-1), F.normalize(randn(B, H, K), dim=-1)
+    v, g, beta = randn(B, H, K), F.logsigmoid(randn(B, H, K)), torch.sigmoid(randn(B, H))
+    outs, times = {}, {}
+    for impl in impls:
+        work = state.clone()
+        outs[impl] = kda_decode_step(q, k, v, g, beta, work, pages, impl=impl)
+        times[impl] = bench(lambda: kda_decode_step(q, k, v, g, beta, state.clone(), pages, impl=impl), device,
+                            args.repeats)
+    print(f"kda_decode B={B} H={H} K=V={K}: " + ", ".join(f"{i} {t * 1e3:.3f} ms" for i, t in times.items()))
+    if with_triton:
+        errors.append(rel_err(outs["triton"], outs["naive"]))
+        figures["kda_decode_speedup"] = times["naive"] / times["triton"]
+
+    # Paged MLA decode (absorbed) over ctx tokens per sequence.
+    blocks = -(-ctx // bt)
+    cache = randn(B * blocks + 1, bt, Dc + Dr)
+    tables = torch.randperm(B * blocks + 1, generator=gen)[:B * blocks].view(B, blocks).to(device)
+    lens = torch.randint(ctx // 2, ctx + 1, (B,), generator=gen).to(device)
+    q_lat, q_rope = randn(B, Hm, Dc), randn(B, Hm, Dr)
+    scale = (128 + Dr) ** -0.5
+    outs, times = {}, {}
+    for impl in impls:
+        outs[impl] = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, impl=impl)
+        times[impl] = bench(lambda: paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, impl=impl),
+                            device, args.repeats)
+    print(f"mla_decode B={B} H={Hm} ctx<={ctx} block_tokens={bt}: "
+          + ", ".join(f"{i} {t * 1e3:.3f} ms" for i, t in times.items()))
+    if with_triton:
+        errors.append(rel_err(outs["triton"], outs["naive"]))
+        figures["mla_decode_speedup"] = times["naive"] / times["triton"]
+
+    # KDA chunked prefill of one long sequence with states at hash-block ends.
+    q, k = F.normalize(randn(1, T, H, K), dim=-1), F.normalize(randn(1, T, H, K), dim=-1)
+    v, g, beta = randn(1, T, H, K), F.logsigmoid(randn(1, T, H, K)), torch.sigmoid(randn(1, T, H))
+    positions = list(range(0, T + 1, 512 if not args.small else 64))
+    outs, times = {}, {}
+    for impl in impls:
+        outs[impl] = chunk_kda(q, k, v, g, beta, state_positions=positions, impl=impl)
+        times[impl] = bench(lambda: chunk_kda(q, k, v, g, beta, state_positions=positions, impl=impl), device,
+                            max(1, args.repeats // 3))
+    print(f"kda_chunk T={T} H={H} K=V={K} positions={len(positions)}: "
+          + ", ".join(f"{i} {t * 1e3:.1f} ms" for i, t in times.items()))
+    if with_triton:
+        errors += [rel_err(a, b) for a, b in zip(outs["triton"], outs["naive"])]
+        figures["kda_chunk_speedup"] = times["naive"] / times["triton"]
+        figures["max_rel_err"] = max(errors)
+    else:
+        print("no CUDA device: torch paths timed only (Triton checked under the interpreter by pytest -m triton)")
+    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()) or "native=0")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
