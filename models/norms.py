@@ -4,6 +4,7 @@ Both normalise in float32 (as transformers' `KimiLinearRMSNorm` / fla's `FusedRM
 a bf16 model keeps fp32 statistics.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,9 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> same shape and dtype."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), fp32
+        return self.weight * normed.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,7 +30,5 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        x32 = self.weight.float() * x32 * torch.sigmoid(gate.float())
-        return x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), weight=self.weight.float(), eps=self.eps)
+        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
