@@ -93,8 +93,9 @@ class KDALayer(nn.Module):
         conv = ext[:, :new_len] * taps[0]  # [B, L, 3*qkv], a fresh tensor: safe to accumulate into
         for j in range(1, self.kernel):
             conv.addcmul_(ext[:, j:j + new_len], taps[j])
-        q, k, v = F.silu(conv).view(bsz, new_len, 3, self.num_heads, self.head_dim).unbind(2)
-        return l2norm(q.float()), l2norm(k.float()), v.float(), ext
+        qkv = F.silu(conv).float().view(bsz, new_len, 3, self.num_heads, self.head_dim)
+        q, k = l2norm(qkv[:, :, :2]).unbind(2)  # q and k normalised in one go
+        return q, k, qkv[:, :, 2], ext
 
     def output(self, x: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
         """Gated per-head norm + o_proj. x: [N, D] (the layer input), core: [N, H, dv] -> [N, D]."""

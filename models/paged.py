@@ -63,6 +63,9 @@ class PagedStep:
     """MLA layer -> [num_seqs, max_blocks] int64 pages of each sequence in logical order."""
     impl: str = "naive"
     """Kernel implementation: "naive" (torch) or "triton"."""
+    check: bool = True
+    """Let the kernels validate their inputs (a host sync each); the engine turns it off and
+    relies on its own integrity checks."""
 
     @property
     def decode_seqs(self) -> list[int]:
@@ -129,7 +132,7 @@ class PagedMixer:
             tails = _tails_to_layer(conv[dec_pages])  # [Bd, K-1, 3*qkv]
             q, k, v, ext = layer.short_conv(mixed[rows, None], tails)
             core[rows] = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[rows], beta[rows], state, dec_pages,
-                                         impl=self.step.impl)
+                                         impl=self.step.impl, check=self.step.check)
             conv[dec_pages] = _tails_to_pool(ext[:, 1:], layer.num_heads).to(conv.dtype)
         for group in self.prefill_groups:
             self._kda_prefill(layer, group, mixed, g, beta, state, conv, pages, core)
@@ -183,7 +186,7 @@ class PagedMixer:
             q_lat = torch.einsum("bhn,hnc->bhc", q_nope[rows].float(), w_uk.float())  # [Bd, H, d_c]
             seq_lens = torch.tensor([batch.starts[i] + 1 for i in self.decode])
             o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index], seq_lens,
-                                     scale=layer.scale, impl=self.step.impl)
+                                     scale=layer.scale, impl=self.step.impl, check=self.step.check)
             out[rows] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv.float()).to(out.dtype)
         for i in self.prefill:
             rows, end = batch.rows(i), batch.starts[i] + batch.new_lens[i]

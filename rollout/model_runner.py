@@ -51,7 +51,7 @@ class ModelRunner:
         paged = PagedStep(batch=batch,
                           state_pages={i: state_pages[self.layout.group_of(i)[1]] for i in cfg.kda_layers},
                           block_tables={i: tables[self.layout.group_of(i)[1]] for i in cfg.mla_layers},
-                          impl=self.impl)
+                          impl=self.impl, check=False)
         hidden = self.model.run_layers(token_ids, PagedMixer(self.views, paged))  # [N, D]
         sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
         offsets = batch.offsets

@@ -236,6 +236,7 @@ def paged_mla_decode(
     *,
     scale: float,
     impl: str = "naive",
+    check: bool = True,
 ) -> Tensor:
     """Absorbed MLA attention of one new token per sequence over its paged latent cache.
 
@@ -251,6 +252,8 @@ def paged_mla_decode(
             current token is already written to the cache.
         scale: softmax scale applied to the scores.
         impl: "naive" or "triton" (see module docstring).
+        check: validate shapes, lengths and page ids (one host sync). The engine's hot path
+            passes False: its block tables are verified by CacheManager.check_integrity instead.
 
     Returns:
         o_lat: [B, H, Dc] in q_lat's dtype (math in fp32), the attention-weighted latent;
@@ -261,7 +264,8 @@ def paged_mla_decode(
     run here.
     """
     check_impl(impl)
-    _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens)
+    if check:
+        _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens)
     if impl == "naive":
         return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale)
     return _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale)
