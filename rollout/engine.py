@@ -142,6 +142,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def stats(self) -> dict[str, float]:
+        """Runtime signals (for logging and, later, auto-throttling): queue sizes, pool use, preemptions."""
+        sched = self.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
+                "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
+                "pool_utilization": self.pool.num_used / self.pool.num_pages, "peak_pages_used": self.peak_pages_used,
+                "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version}
+
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the requests that finished during it."""

@@ -21,6 +21,9 @@ def test_greedy_batch_with_chunked_prefill_and_preemption_equals_plain_model(tin
     assert max(map(len, prompts)) > 48  # prompts longer than a step's budget: chunked prefill
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=num_new, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for all 32 at once"
+    stats = engine.stats()
+    assert stats["preemptions"] == engine.scheduler.num_preemptions and stats["pool_pages_used"] == 0
+    assert stats["running"] == stats["waiting"] == 0 and 0 < stats["peak_pages_used"] <= 24
     assert engine.pool.num_free == engine.pool.num_pages and not engine.requests
     engine.check_integrity()
     for prompt, out in zip(prompts, outputs):
