@@ -134,3 +134,20 @@ def test_pause_resume_sleep_wake_and_weight_update(tiny_model):
     assert sample.tokens == greedy_reference(tiny_model, prompt, 10)[0]  # recomputed after sleep, same tokens
     assert sample.versions[0] == 0 and sample.versions[-1] == 3
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_fork_without_room_for_copies_recomputes_each_sample(tiny_model):
+    """A pool that holds the prompt once but not 8 private copies: the samples are recomputed
+    one by one instead, with the same tokens as independent seeded requests."""
+    prompt = list(range(100, 110))
+    cfg = EngineConfig(num_pages=10, max_model_len=32, show_progress=False, check_every_step=True)
+    engine = Engine(tiny_model, cfg)
+    pages_per_sample = engine.cache.pages_for_tokens(len(prompt) + 4)
+    assert 8 * pages_per_sample > cfg.num_pages  # no room for 8 live copies
+    (out,) = engine.generate([prompt], SamplingParams(temperature=1.0, n=8, seed=9, max_new_tokens=4,
+                                                      ignore_eos=True))
+    singles = Engine(tiny_model, cfg).generate([prompt] * 8, [SamplingParams(temperature=1.0, seed=9 + i,
+                                                                             max_new_tokens=4, ignore_eos=True)
+                                                              for i in range(8)])
+    assert [s.tokens for s in out.samples] == [o.samples[0].tokens for o in singles]
+    assert engine.pool.num_free == engine.pool.num_pages
