@@ -7,8 +7,8 @@ plugs into `HybridLM.run_layers`, so embeddings, norms and MLPs stay one code pa
 
 - KDA: a sequence's state page (S of every head + conv tails, head-major) is read and written
   **in place**. Decode (one new token on a non-empty state) is batched across sequences through
-  `kda_decode_step`; prefill chunks go per sequence through `chunk_kda`, starting from zeros
-  when the sequence starts at position 0 (so pages need no clearing).
+  `kda_decode_step`; prefill chunks are batched too (length buckets, right-padded with steps that
+  write nothing), starting from zeros when a sequence starts at position 0 (pages need no clearing).
 - MLA: the new tokens' latents [c_kv, k_rope] are written to their slots first, then decode
   attends through the block tables with `paged_mla_decode` (absorbed), and prefill chunks
   attend over their gathered pages with the expanded form.
@@ -23,6 +23,7 @@ import torch
 
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
+from kernels.kda.naive import naive_recurrent_kda
 from kernels.mla.naive import naive_mla_attention
 from kernels.mla.paged import paged_mla_decode
 from models.kda import KDALayer
@@ -30,14 +31,18 @@ from models.mla import MLALayer
 from models.state import SegmentBatch
 
 
+def torch_prefill_form(num_seqs: int, width: int) -> tuple[str, int]:
+    """Which torch KDA form runs a prefill batch of `num_seqs` sequences padded to `width` tokens:
+    ("recurrent", 0) or ("chunk", chunk_len). (The Triton kernel is always chunked, 16 tokens.)
 
-
-def prefill_chunk_len(num_seqs: int) -> int:
-    """Chunk of the torch KDA prefill over a batch of `num_seqs` sequences (the Triton kernel
-    uses 16 whatever this says). The reference builds a [L, L, dk] decay tensor per chunk, so wide
-    batches want short chunks and single long prompts fewer, longer ones. Measured on CPU: 64
-    sequences x 48 tokens, chunk 16: 35 ms, 8: 16 ms; one 2,000-token prompt, 16: 42 ms, 8: 65 ms."""
-    return 8 if num_seqs >= 16 else 16
+    Both are exact; their costs differ. The chunked reference builds a [L, L, dk] decay tensor per
+    chunk and sequence, the recurrent one pays a fixed overhead per token. Measured on CPU (ms):
+    64 seqs x 64 tokens: chunk 8 59, chunk 16 51, recurrent 10; 4 x 256: 16, 19, 29; 1 x 512:
+    34, 22, 125. So: wide batches of short prompts go token by token, narrow or long ones chunked.
+    """
+    if num_seqs >= 16 and width <= 256:
+        return "recurrent", 0
+    return "chunk", 8 if num_seqs >= 4 else 16
 
 
 @dataclass
@@ -161,8 +166,12 @@ class PagedMixer:
         init = state[seq_pages].masked_fill(fresh, 0.0)  # [Bp, H, dk, dv]
         tails = _tails_to_layer(conv[seq_pages].masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
         q, k, v, ext = layer.short_conv(padded_mixed, tails)
-        o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
-                                chunk_len=prefill_chunk_len(num))
+        form, chunk_len = torch_prefill_form(num, width)
+        if self.step.impl == "naive" and form == "recurrent":
+            o, final, _ = naive_recurrent_kda(q, k, v, padded_g, padded_beta, initial_state=init)
+        else:
+            o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
+                                    chunk_len=chunk_len or 16)
         state[seq_pages] = final.to(state.dtype)
         ends = torch.tensor(lens)[:, None] + torch.arange(layer.kernel - 1)[None]  # [Bp, K-1] ext rows of the new tail
         new_tails = ext[torch.arange(num)[:, None], ends]  # [Bp, K-1, 3*qkv]
