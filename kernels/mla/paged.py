@@ -79,17 +79,18 @@ def _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens) -> tuple[int, ..
 
 
 def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale) -> Tensor:
-    """Gathers every sequence's pages into one padded [B, max_len, Dc + Dr] batch, then plain
-    softmax attention with positions >= seq_len masked out."""
+    """Gathers every sequence's cached tokens into one padded [B, max_len, Dc + Dr] batch, then
+    plain softmax attention. Padding rows re-read the sequence's token 0 (a real, finite entry)
+    and are masked out of the softmax, so slots past seq_len are never read."""
     B, H, Dc = q_lat.shape
     block_tokens = cache.shape[1]
     f32 = torch.float32
     lens = seq_lens.to(device=q_lat.device, dtype=torch.long)  # [B]
-    num_blocks = int((lens.max() + block_tokens - 1) // block_tokens)
-    pages = block_tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]; unused entries read page 0, masked below
-    kv = cache[pages].reshape(B, num_blocks * block_tokens, -1).to(f32)  # [B, S, Dc + Dr]
-    valid = torch.arange(num_blocks * block_tokens, device=q_lat.device) < lens[:, None]  # [B, S]
-    kv.masked_fill_(~valid[..., None], 0.0)  # slots past seq_len may hold anything, even NaN
+    positions = torch.arange(int(lens.max()), device=q_lat.device)  # [S]
+    valid = positions < lens[:, None]  # [B, S]
+    positions = positions.masked_fill(~valid, 0)  # [B, S] padding -> token 0
+    pages = block_tables.long().gather(1, positions // block_tokens)  # [B, S]
+    kv = cache[pages, positions % block_tokens].to(f32)  # [B, S, Dc + Dr]
     q = torch.cat([q_lat, q_rope], dim=-1).to(f32)  # [B, H, Dc + Dr]: one product scores both parts
     scores = (q @ kv.transpose(1, 2)) * scale  # [B, H, S]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
