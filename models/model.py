@@ -107,11 +107,16 @@ class HybridLM(nn.Module):
         engine); everything else (embeddings, norms, residuals, MLPs) is this one code path.
         """
         hidden = self.model.embed_tokens(token_ids)  # [N, D]
-        for index, layer in enumerate(self.model.layers):
-            mix = mixer.kda if layer.mixer_type == "kda" else mixer.mla
-            hidden = hidden + mix(index, layer.self_attn, layer.input_layernorm(hidden))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        for index in range(len(self.model.layers)):
+            hidden = self.run_layer(index, hidden, mixer)
         return self.model.norm(hidden)
+
+    def run_layer(self, index: int, hidden: torch.Tensor, mixer: "Mixer") -> torch.Tensor:
+        """One decoder layer on packed hidden states [N, D] (pipeline/VPP chunks call this)."""
+        layer = self.model.layers[index]
+        mix = mixer.kda if layer.mixer_type == "kda" else mixer.mla
+        hidden = hidden + mix(index, layer.self_attn, layer.input_layernorm(hidden))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def _run(self, token_ids: torch.Tensor, batch: SegmentBatch, states: Sequence[SequenceState | None],
              state_positions: Sequence[Sequence[int]]
@@ -194,15 +199,20 @@ class HybridLM(nn.Module):
             raise ValueError(f"chunk_len={chunk_len}, expected a positive integer")
         hidden, lens = self._packed_hidden(input_ids, lengths)
         packed_targets = torch.cat([targets[b, :n] for b, n in enumerate(lens)])
+        return self._unpack(self.packed_logprobs(hidden, packed_targets, chunk_len), lens, input_ids.shape[1])
+
+    def packed_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_len: int = 1024) -> torch.Tensor:
+        """Final-normed hidden [N, D] and targets [N] -> float32 [N] log-probabilities, formed
+        `chunk_len` tokens at a time (recomputed in backward under autograd)."""
         weight = self.output_weight
         pieces = []
         for start in range(0, hidden.shape[0], chunk_len):
-            h, t = hidden[start:start + chunk_len], packed_targets[start:start + chunk_len]
+            h, t = hidden[start:start + chunk_len], targets[start:start + chunk_len]
             if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
                 pieces.append(checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False))
             else:
                 pieces.append(_chunk_logprobs(h, weight, t))
-        return self._unpack(torch.cat(pieces), lens, input_ids.shape[1])
+        return torch.cat(pieces)
 
 
 class Mixer(Protocol):

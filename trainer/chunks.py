@@ -1,0 +1,123 @@
+"""VPP model chunks: contiguous layer ranges trained chunk by chunk (issue 4, first part).
+
+A chunk owns a contiguous range of decoder layers; the embedding belongs to the first chunk, the
+final norm and the output head to the last (a tied head stays with the embedding, in chunk 0).
+`ChunkedModel.forward_backward` runs the forward once without keeping activations (only the
+hidden state entering each chunk is saved), then walks the chunks in reverse: it recomputes one
+chunk's forward with autograd, backpropagates the gradient arriving from the chunk above, and
+hands the finished chunk to `on_chunk_done` before moving down. So at any moment only one chunk's
+activation graph is alive and each chunk's parameter gradients are complete, and final, when
+its callback runs: the point where a gradient arena can reduce-scatter them and free the slot.
+Gradients equal a plain backward of the whole model (tests/trainer/test_chunks.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.model import HybridLM, StateMixer
+from models.state import SegmentBatch
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    index: int
+    layers: range
+    """Decoder layers of this chunk, in order."""
+    has_embedding: bool
+    has_head: bool
+    """Final norm and (untied) lm_head."""
+
+
+def split_chunks(num_layers: int, num_chunks: int) -> list[ChunkSpec]:
+    """Balanced contiguous layer ranges; earlier chunks take the remainder layers."""
+    if not 1 <= num_chunks <= num_layers:
+        raise ValueError(f"num_chunks={num_chunks}, expected 1..num_layers={num_layers}")
+    base, extra = divmod(num_layers, num_chunks)
+    specs, start = [], 0
+    for c in range(num_chunks):
+        size = base + (1 if c < extra else 0)
+        specs.append(ChunkSpec(c, range(start, start + size), c == 0, c == num_chunks - 1))
+        start += size
+    return specs
+
+
+class ChunkedModel:
+    """A HybridLM seen as VPP chunks. Holds no tensors of its own beyond the model's."""
+
+    def __init__(self, model: HybridLM, num_chunks: int) -> None:
+        self.model = model
+        self.specs = split_chunks(model.config.num_hidden_layers, num_chunks)
+
+    def chunk_parameters(self, chunk: int) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) pairs owned by `chunk`, in model order; every parameter is in exactly one chunk."""
+        spec, backbone = self.specs[chunk], self.model.model
+        owned: list[tuple[str, nn.Parameter]] = []
+        if spec.has_embedding:
+            owned += [(f"model.embed_tokens.{n}", p) for n, p in backbone.embed_tokens.named_parameters()]
+        for i in spec.layers:
+            owned += [(f"model.layers.{i}.{n}", p) for n, p in backbone.layers[i].named_parameters()]
+        if spec.has_head:
+            owned += [(f"model.norm.{n}", p) for n, p in backbone.norm.named_parameters()]
+            if self.model.lm_head is not None:
+                owned += [(f"lm_head.{n}", p) for n, p in self.model.lm_head.named_parameters()]
+        return owned
+
+    def chunk_numel(self, chunk: int) -> int:
+        return sum(p.numel() for _, p in self.chunk_parameters(chunk))
+
+    def _run_chunk(self, chunk: int, hidden: torch.Tensor, mixer: StateMixer) -> torch.Tensor:
+        for index in self.specs[chunk].layers:
+            hidden = self.model.run_layer(index, hidden, mixer)
+        return hidden
+
+    def forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                         on_chunk_done: Callable[[int], None] | None = None, logprob_chunk_len: int = 1024
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed sequences -> (loss, per-token logprobs [N] detached); accumulates parameter .grad.
+
+        token_ids, targets: [N] packed (sequence i owns `seq_lens[i]` consecutive rows);
+        loss_fn maps the per-token logprobs [N] (float32, differentiable) to a scalar.
+        `on_chunk_done(c)` is called for c = last .. 0, right after chunk c's gradients are final.
+        """
+        if token_ids.shape != targets.shape or token_ids.dim() != 1:
+            raise ValueError(f"token_ids {tuple(token_ids.shape)} and targets {tuple(targets.shape)} must be "
+                             f"the same 1-D packed shape")
+        if sum(seq_lens) != token_ids.numel() or any(n < 1 for n in seq_lens):
+            raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
+        batch = SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))
+        num = len(seq_lens)
+
+        def mixer() -> StateMixer:
+            return StateMixer(batch, [None] * num, [[]] * num)
+
+        # Forward without a graph, keeping only each chunk's input.
+        inputs = []
+        with torch.no_grad():
+            hidden = self.model.model.embed_tokens(token_ids)  # [N, D]
+            for c in range(len(self.specs)):
+                inputs.append(hidden)
+                hidden = self._run_chunk(c, hidden, mixer())
+        # Backward chunk by chunk, recomputing each chunk's forward.
+        grad_out, loss, logprobs = None, None, None
+        for c in reversed(range(len(self.specs))):
+            x = inputs[c].detach().requires_grad_(c > 0)
+            if c == 0:
+                x = self.model.model.embed_tokens(token_ids)
+            out = self._run_chunk(c, x, mixer())
+            if self.specs[c].has_head:
+                logp = self.model.packed_logprobs(self.model.model.norm(out), targets, logprob_chunk_len)
+                loss = loss_fn(logp)
+                logprobs = logp.detach()
+                loss.backward()
+            else:
+                out.backward(grad_out)
+            grad_out = x.grad if c > 0 else None
+            inputs[c] = None  # this chunk's input is no longer needed
+            if on_chunk_done is not None:
+                on_chunk_done(c)
+        return loss.detach(), logprobs
