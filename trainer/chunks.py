@@ -76,13 +76,15 @@ class ChunkedModel:
 
     def forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor], torch.Tensor],
-                         on_chunk_done: Callable[[int], None] | None = None, logprob_chunk_len: int = 1024
+                         on_chunk_done: Callable[[int], None] | None = None, logprob_chunk_len: int = 1024,
+                         on_chunk_start: Callable[[int], None] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed sequences -> (loss, per-token logprobs [N] detached); accumulates parameter .grad.
 
         token_ids, targets: [N] packed (sequence i owns `seq_lens[i]` consecutive rows);
         loss_fn maps the per-token logprobs [N] (float32, differentiable) to a scalar.
-        `on_chunk_done(c)` is called for c = last .. 0, right after chunk c's gradients are final.
+        `on_chunk_start(c)` runs right before chunk c's backward (bind its gradient buffer there),
+        `on_chunk_done(c)` right after its gradients are final, for c = last .. 0.
         """
         if token_ids.shape != targets.shape or token_ids.dim() != 1:
             raise ValueError(f"token_ids {tuple(token_ids.shape)} and targets {tuple(targets.shape)} must be "
@@ -109,6 +111,8 @@ class ChunkedModel:
             if c == 0:
                 x = self.model.model.embed_tokens(token_ids)
             out = self._run_chunk(c, x, mixer())
+            if on_chunk_start is not None:
+                on_chunk_start(c)
             if self.specs[c].has_head:
                 logp = self.model.packed_logprobs(self.model.model.norm(out), targets, logprob_chunk_len)
                 loss = loss_fn(logp)

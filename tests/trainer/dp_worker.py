@@ -1,0 +1,30 @@
+"""Worker of the 2-process data-parallel test (spawned; must stay importable as a module)."""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from tests.trainer.test_step import OPT, make_batch, make_model
+        from trainer.step import Trainer, TrainerConfig
+
+        lens, tokens, targets, weights = make_batch()
+        # split the batch by sequences: rank 0 gets the first half, rank 1 the rest
+        half = len(lens) // 2
+        mine = range(0, half) if rank == 0 else range(half, len(lens))
+        offsets = [sum(lens[:i]) for i in range(len(lens) + 1)]
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in mine])
+        total = weights.numel()  # the global token count: rank losses sum to the global loss
+        trainer = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
+        w = weights[rows]
+        metrics = trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
+                                     lambda lp: -(lp * w).sum() / total)
+        torch.save({"state": trainer.model.state_dict(), "metrics": metrics},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""AdamW on FP32 master shards in host memory (ZeRO-2 style, with optimizer offload).
+
+Each VPP chunk's parameters are viewed as one flat vector (model order), padded to a multiple of
+the data-parallel world size; rank r owns the r-th equal slice. This rank keeps, on the host,
+only its slices: FP32 master weights and AdamW moments. A step updates the slices and all-gathers
+them back into the model's parameters. The update is torch's AdamW applied elementwise, so it
+equals AdamW on the whole model (given the same summed gradients, and zeros, not None, for
+parameters no token reached: AdamW skips None gradients but still decays zero ones).
+
+DeepSpeed's CPU Adam (a JIT-built C++ op) is the intended fast path; this module uses
+torch.optim.AdamW, announced once, until that op is wired (it is a drop-in for the same shards).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}, expected > 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas}, expected values in [0, 1)")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"eps={self.eps} (> 0), weight_decay={self.weight_decay} (>= 0) out of range")
+
+
+_ANNOUNCED = False
+
+
+class ShardedHostAdamW:
+    def __init__(self, chunk_params: list[list[nn.Parameter]], config: OptimizerConfig,
+                 group: dist.ProcessGroup | None = None) -> None:
+        global _ANNOUNCED
+        if not _ANNOUNCED:
+            warnings.warn("trainer: host optimizer is torch.optim.AdamW on FP32 shards "
+                          "(DeepSpeed CPU Adam not wired yet)", stacklevel=2)
+            _ANNOUNCED = True
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.chunk_params = chunk_params
+        self.numels = [sum(p.numel() for p in params) for params in chunk_params]
+        self.shard_numels = [math.ceil(n / self.world) for n in self.numels]
+        self.masters: list[nn.Parameter] = []
+        for params, shard in zip(chunk_params, self.shard_numels):
+            flat = self._padded_flat(params, shard * self.world)
+            self.masters.append(nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone().cpu()))
+        self.adam = torch.optim.AdamW(self.masters, lr=config.lr, betas=config.betas, eps=config.eps,
+                                      weight_decay=config.weight_decay, foreach=False)
+
+    @staticmethod
+    def _padded_flat(params: list[nn.Parameter], numel: int) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params])  # [n]
+        return torch.cat([flat, flat.new_zeros(numel - flat.numel())])  # [world * shard]
+
+    def padded_numel(self, chunk: int) -> int:
+        return self.shard_numels[chunk] * self.world
+
+    def set_grad(self, chunk: int, summed_grad_shard: torch.Tensor) -> None:
+        """This rank's slice of chunk `chunk`'s gradient (already summed over ranks) -> host."""
+        if summed_grad_shard.numel() != self.shard_numels[chunk]:
+            raise ValueError(f"chunk {chunk}: gradient shard has {summed_grad_shard.numel()} elements, expected "
+                             f"{self.shard_numels[chunk]}")
+        self.masters[chunk].grad = summed_grad_shard.detach().float().cpu().clone()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update every master shard, then all-gather the shards into the model's parameters."""
+        missing = [c for c, m in enumerate(self.masters) if m.grad is None]
+        if missing:
+            raise RuntimeError(f"optimizer step without gradients for chunks {missing}")
+        self.adam.step()
+        for c, (params, master) in enumerate(zip(self.chunk_params, self.masters)):
+            if self.world > 1:
+                pieces = [torch.empty_like(master.data) for _ in range(self.world)]
+                dist.all_gather(pieces, master.data.contiguous(), group=self.group)
+                flat = torch.cat(pieces)
+            else:
+                flat = master.data
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype))
+                offset += p.numel()
+            master.grad = None
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
+                "rank": self.rank, "world": self.world}
