@@ -85,8 +85,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None, assign: bool = True) -> HybridLM:
     """Fill `model` (possibly on the meta device) with the tensors of checkpoint directory `path`.
+
+    assign=True replaces the parameter tensors (needed for a meta-device model); assign=False
+    copies into the existing ones, so references held elsewhere (optimizers) stay valid.
 
     Strict: every missing, unexpected or mis-shaped tensor is reported by its on-disk name with
     the expected and actual shapes, and nothing is loaded unless all match. Returns the model.
@@ -112,7 +115,7 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
         if dtype is not None and tensor.is_floating_point() and not name.endswith(_FP32_SUFFIXES):
             tensor = tensor.to(dtype)
         state[name] = tensor
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=assign)
     return model
 
 

@@ -100,6 +100,21 @@ class ShardedHostAdamW:
                 offset += p.numel()
             master.grad = None
 
+    def zero_grad(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
     def state_dict(self) -> dict:
         return {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
                 "rank": self.rank, "world": self.world}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if (state["rank"], state["world"]) != (self.rank, self.world):
+            raise ValueError(f"optimizer shard of rank {state['rank']}/{state['world']} loaded into rank "
+                             f"{self.rank}/{self.world}")
+        for master, saved in zip(self.masters, state["masters"]):
+            if master.shape != saved.shape:
+                raise ValueError(f"optimizer shard shape {tuple(saved.shape)} != expected {tuple(master.shape)}")
+            master.copy_(saved)
+        self.adam.load_state_dict(state["adam"])

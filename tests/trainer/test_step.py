@@ -101,3 +101,41 @@ def test_one_step_equals_plain_adamw_in_two_processes_over_gloo(tmp_path):
         assert out["metrics"]["grad_slots_high_water"] <= 2
         for name, tensor in out["state"].items():
             assert rel_err(tensor, expected[name]) <= 1e-6, (rank, name)
+
+
+def test_resume_at_step_k_equals_uninterrupted_run_at_k_plus_2(tmp_path):
+    batches = [make_batch(seed=s) for s in range(4)]
+
+    def step(trainer, b):
+        lens, tokens, targets, weights = b
+        trainer.train_step(tokens, lens, targets, lambda lp: -(lp * weights).sum() / weights.numel())
+
+    straight = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
+    for b in batches[:3]:
+        step(straight, b)
+    first = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
+    step(first, batches[0])
+    first.save(tmp_path / "ckpt")
+    resumed = Trainer(make_model(seed=99), TrainerConfig(num_chunks=4, optimizer=OPT))  # different init: all must come from disk
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.step_count == 1
+    for b in batches[1:3]:
+        step(resumed, b)
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="num_chunks=4; this trainer has world_size=1, num_chunks=2"):
+        Trainer(make_model(), TrainerConfig(num_chunks=2, optimizer=OPT)).load(tmp_path / "ckpt")
+
+
+def test_non_finite_loss_skips_the_step_then_stops():
+    lens, tokens, targets, weights = make_batch()
+    model = make_model()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT, max_bad_steps=1))
+    metrics = trainer.train_step(tokens, lens, targets, lambda lp: lp.sum() * float("nan"))
+    assert metrics["skipped"] == 1.0 and trainer.step_count == 0
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    with pytest.raises(FloatingPointError, match="non-finite loss in 2 consecutive steps"):
+        trainer.train_step(tokens, lens, targets, lambda lp: lp.sum() * float("inf"))
+    with pytest.raises(ValueError, match="empty batch"):
+        trainer.train_step(tokens[:0], [], targets[:0], lambda lp: lp.sum())
