@@ -74,6 +74,18 @@ class ChunkedModel:
             hidden = self.model.run_layer(index, hidden, mixer)
         return hidden
 
+    @torch.no_grad()
+    def forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
+                         logprob_chunk_len: int = 1024) -> torch.Tensor:
+        """Per-token log p(targets | prefix) [N] float32 through the same chunk path as training
+        (old-policy and reference logprobs)."""
+        batch = SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))
+        mixer = StateMixer(batch, [None] * len(seq_lens), [[]] * len(seq_lens))
+        hidden = self.model.model.embed_tokens(token_ids)
+        for c in range(len(self.specs)):
+            hidden = self._run_chunk(c, hidden, mixer)
+        return self.model.packed_logprobs(self.model.model.norm(hidden), targets, logprob_chunk_len)
+
     def forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor], torch.Tensor],
                          on_chunk_done: Callable[[int], None] | None = None, logprob_chunk_len: int = 1024,
