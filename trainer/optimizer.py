@@ -73,12 +73,14 @@ class ShardedHostAdamW:
     def padded_numel(self, chunk: int) -> int:
         return self.shard_numels[chunk] * self.world
 
-    def set_grad(self, chunk: int, summed_grad_shard: torch.Tensor) -> None:
-        """This rank's slice of chunk `chunk`'s gradient (already summed over ranks) -> host."""
+    def add_grad(self, chunk: int, summed_grad_shard: torch.Tensor) -> None:
+        """Accumulate this rank's slice of chunk `chunk`'s gradient (already summed over ranks) on the host."""
         if summed_grad_shard.numel() != self.shard_numels[chunk]:
             raise ValueError(f"chunk {chunk}: gradient shard has {summed_grad_shard.numel()} elements, expected "
                              f"{self.shard_numels[chunk]}")
-        self.masters[chunk].grad = summed_grad_shard.detach().float().cpu().clone()
+        shard = summed_grad_shard.detach().float().cpu()
+        master = self.masters[chunk]
+        master.grad = shard.clone() if master.grad is None else master.grad.add_(shard)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -34,6 +34,24 @@ from trainer.chunks import ChunkedModel
 from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
 
 
+def micro_batches(seq_lens: Sequence[int], budget: int | None) -> list[list[int]]:
+    """Sequence indices per micro-batch: packed greedily in order under `budget` tokens; a sequence
+    longer than the budget runs alone. None = everything in one micro-batch."""
+    if budget is None:
+        return [list(range(len(seq_lens)))]
+    if budget < 1:
+        raise ValueError(f"micro_batch_tokens={budget}, expected >= 1 or None")
+    plan, current, used = [], [], 0
+    for i, n in enumerate(seq_lens):
+        if current and used + n > budget:
+            plan.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    plan.append(current)
+    return plan
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     num_chunks: int = 4
@@ -83,40 +101,70 @@ class Trainer:
         if self.optimizer.world > 1:
             dist.all_reduce(flat, group=self.group)
         shard = self.optimizer.shard_numels[chunk]
-        self.optimizer.set_grad(chunk, flat[self.optimizer.rank * shard:(self.optimizer.rank + 1) * shard])
+        self.optimizer.add_grad(chunk, flat[self.optimizer.rank * shard:(self.optimizer.rank + 1) * shard])
         for p in params:
             p.grad = None
         self.arena.release(chunk)
 
     def train_step(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   micro_batch_tokens: int | None = None) -> dict[str, float]:
         """Forward/backward this rank's packed sequences and apply one optimizer step.
 
-        loss_fn must already be scaled so that summing it over ranks gives the global loss
-        (e.g. divide by the global token count): gradients are summed, not averaged.
+        token_ids, targets: [N] packed; sequence i owns `seq_lens[i]` consecutive rows.
+        loss_fn(logprobs [n], rows [n]) gets a micro-batch's per-token logprobs and their row
+        indices in the packed batch (to select advantages, masks, old logprobs...); it must be
+        scaled so that summing it over micro-batches and ranks gives the global loss (e.g. divide
+        by the global token count): gradients are summed, not averaged.
+        micro_batch_tokens: token budget of one micro-batch (sequences packed greedily in order; a
+        longer sequence runs alone); None = one micro-batch. Gradients accumulate on the host.
         A non-finite loss (on any rank) skips the update (weights and optimizer untouched, logged in
         the metrics); more than `max_bad_steps` in a row raise FloatingPointError.
         """
         if len(seq_lens) == 0 or token_ids.numel() == 0:
             raise ValueError("empty batch: train_step needs at least one sequence with one token")
+        if token_ids.shape != targets.shape or sum(seq_lens) != token_ids.numel():
+            raise ValueError(f"token_ids {tuple(token_ids.shape)}, targets {tuple(targets.shape)} and seq_lens "
+                             f"(sum {sum(seq_lens)}) must describe the same packed tokens")
         self.model.train()
-        loss, _ = self.chunked.forward_backward(token_ids, seq_lens, targets, loss_fn,
-                                                on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
+        plan = micro_batches(seq_lens, micro_batch_tokens)
+        # Every rank runs the same number of micro-batches (each one is a round of collectives);
+        # a rank with fewer sequences contributes zero gradients in its extra rounds.
+        rounds = torch.tensor([len(plan)])
+        if self.optimizer.world > 1:
+            dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
+        offsets = [0]
+        for n in seq_lens:
+            offsets.append(offsets[-1] + n)
+        loss = torch.zeros(())
+        for r in range(int(rounds.item())):
+            if r >= len(plan):
+                for c in reversed(range(self.config.num_chunks)):
+                    self._bind(c)
+                    self._reduce_and_release(c)
+                continue
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plan[r]])
+            part, _ = self.chunked.forward_backward(token_ids[rows], [seq_lens[i] for i in plan[r]], targets[rows],
+                                                    lambda lp, rows=rows: loss_fn(lp, rows),
+                                                    on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
+            loss = loss + part
         self.arena.check_integrity()
         finite = torch.tensor([float(torch.isfinite(loss))])
         if self.optimizer.world > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
+        metrics = {"loss": loss.item(), "micro_batches": float(len(plan)),
+                   "grad_slots_high_water": float(self.arena.high_water_slots)}
         if not finite.item():
             self.optimizer.zero_grad()
             self.bad_steps_in_a_row += 1
             if self.bad_steps_in_a_row > self.config.max_bad_steps:
                 raise FloatingPointError(f"non-finite loss in {self.bad_steps_in_a_row} consecutive steps "
                                          f"(max_bad_steps={self.config.max_bad_steps}); last loss {loss.item()}")
-            return {"loss": loss.item(), "skipped": 1.0, "grad_slots_high_water": self.arena.high_water_slots}
+            return {**metrics, "skipped": 1.0}
         self.bad_steps_in_a_row = 0
         self.optimizer.step()
         self.step_count += 1
-        return {"loss": loss.item(), "skipped": 0.0, "grad_slots_high_water": self.arena.high_water_slots}
+        return {**metrics, "skipped": 0.0}
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

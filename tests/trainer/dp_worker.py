@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 
-def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens: int | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -23,7 +23,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         trainer = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
         w = weights[rows]
         metrics = trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
-                                     lambda lp: -(lp * w).sum() / total)
+                                     lambda lp, rows: -(lp * w[rows]).sum() / total,
+                                     micro_batch_tokens=micro_batch_tokens)
         torch.save({"state": trainer.model.state_dict(), "metrics": metrics},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

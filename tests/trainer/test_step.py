@@ -50,13 +50,16 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / denom).item() if denom > 0 else (a.double().norm()).item()
 
 
-def test_one_step_equals_plain_adamw_in_one_process():
+@pytest.mark.parametrize("micro_batch_tokens,num_micro", [(None, 1), (40, 4)])
+def test_one_step_equals_plain_adamw_in_one_process(micro_batch_tokens, num_micro):
     lens, tokens, targets, weights = make_batch()
     ours, ref = make_model(), make_model()
     reference_step(ref, lens, tokens, targets, weights)
     trainer = Trainer(ours, TrainerConfig(num_chunks=4, optimizer=OPT))
-    metrics = trainer.train_step(tokens, lens, targets, lambda lp: -(lp * weights).sum() / weights.numel())
-    assert metrics["grad_slots_high_water"] <= 2
+    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel(),
+                                 micro_batch_tokens=micro_batch_tokens)
+    assert metrics["grad_slots_high_water"] <= 2 and metrics["micro_batches"] == num_micro
+    assert trainer.arena.total_bytes < 4 * sum(p.numel() for p in ours.parameters())  # < the whole model's fp32 grads
     moved = 0
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert rel_err(p.detach(), q.detach()) <= 1e-6, name
@@ -91,7 +94,9 @@ def test_one_step_equals_plain_adamw_in_two_processes_over_gloo(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    mp.spawn(run, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    # budget 45: rank 0 packs its two sequences (33 + 9) in one micro-batch, rank 1 needs two (50, 17),
+    # so rank 0 runs a zero-gradient round to keep the collectives in step
+    mp.spawn(run, args=(2, str(tmp_path / "init"), str(tmp_path), 45), nprocs=2, join=True)
     lens, tokens, targets, weights = make_batch()
     ref = make_model()
     reference_step(ref, lens, tokens, targets, weights)
@@ -99,6 +104,7 @@ def test_one_step_equals_plain_adamw_in_two_processes_over_gloo(tmp_path):
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         assert out["metrics"]["grad_slots_high_water"] <= 2
+        assert out["metrics"]["micro_batches"] == [1, 2][rank]
         for name, tensor in out["state"].items():
             assert rel_err(tensor, expected[name]) <= 1e-6, (rank, name)
 
@@ -108,7 +114,7 @@ def test_resume_at_step_k_equals_uninterrupted_run_at_k_plus_2(tmp_path):
 
     def step(trainer, b):
         lens, tokens, targets, weights = b
-        trainer.train_step(tokens, lens, targets, lambda lp: -(lp * weights).sum() / weights.numel())
+        trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
 
     straight = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
     for b in batches[:3]:
@@ -132,10 +138,10 @@ def test_non_finite_loss_skips_the_step_then_stops():
     model = make_model()
     before = {n: t.clone() for n, t in model.state_dict().items()}
     trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT, max_bad_steps=1))
-    metrics = trainer.train_step(tokens, lens, targets, lambda lp: lp.sum() * float("nan"))
+    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows: lp.sum() * float("nan"))
     assert metrics["skipped"] == 1.0 and trainer.step_count == 0
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     with pytest.raises(FloatingPointError, match="non-finite loss in 2 consecutive steps"):
-        trainer.train_step(tokens, lens, targets, lambda lp: lp.sum() * float("inf"))
+        trainer.train_step(tokens, lens, targets, lambda lp, rows: lp.sum() * float("inf"))
     with pytest.raises(ValueError, match="empty batch"):
-        trainer.train_step(tokens[:0], [], targets[:0], lambda lp: lp.sum())
+        trainer.train_step(tokens[:0], [], targets[:0], lambda lp, rows: lp.sum())
