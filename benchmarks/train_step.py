@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         plain_bytes = plain_step(model, lens, tokens, targets, weights, lr)
         best_plain = min(best_plain, time.perf_counter() - t0)
         trainer = Trainer(HybridLM(cfg).init_weights(seed=0, std=0.1),
-                          TrainerConfig(num_chunks=args.chunks, optimizer=OptimizerConfig(lr=lr)))
+                          TrainerConfig(num_chunks=args.chunks, optimizer=OptimizerConfig(lr=lr, backend="torch")))
         t0 = time.perf_counter()
         ours_bytes = ours_step(trainer, lens, tokens, targets, weights)
         best_ours = min(best_ours, time.perf_counter() - t0)

@@ -7,8 +7,9 @@ them back into the model's parameters. The update is torch's AdamW applied eleme
 equals AdamW on the whole model (given the same summed gradients, and zeros, not None, for
 parameters no token reached: AdamW skips None gradients but still decays zero ones).
 
-DeepSpeed's CPU Adam (a JIT-built C++ op) is the intended fast path; this module uses
-torch.optim.AdamW, announced once, until that op is wired (it is a drop-in for the same shards).
+Backends: DeepSpeed's CPU Adam (a JIT-built C++ op, ~1 min to build the first time, cached in
+TORCH_EXTENSIONS_DIR; matches torch AdamW to ~1e-7) or torch.optim.AdamW. "auto" takes DeepSpeed's
+when it builds and otherwise says loudly that it falls back to torch.
 """
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
+    backend: str = "auto"
+    """"deepspeed" (DeepSpeedCPUAdam), "torch" (torch.optim.AdamW) or "auto" (deepspeed if it builds)."""
 
     def __post_init__(self) -> None:
+        if self.backend not in ("auto", "deepspeed", "torch"):
+            raise ValueError(f"backend={self.backend!r}, expected 'auto', 'deepspeed' or 'torch'")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}, expected > 0")
         if not all(0 <= b < 1 for b in self.betas):
@@ -41,17 +46,25 @@ class OptimizerConfig:
             raise ValueError(f"eps={self.eps} (> 0), weight_decay={self.weight_decay} (>= 0) out of range")
 
 
-_ANNOUNCED = False
+def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple[torch.optim.Optimizer, str]:
+    """(optimizer over `params`, backend name actually used)."""
+    kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    if config.backend in ("auto", "deepspeed"):
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs), "deepspeed"
+        except Exception as err:  # the op's JIT build can fail for many reasons (compiler, headers)
+            if config.backend == "deepspeed":
+                raise RuntimeError(f"DeepSpeed CPU Adam could not be built or loaded: {err}") from err
+            warnings.warn(f"trainer: DeepSpeed CPU Adam unavailable ({type(err).__name__}: {err}); "
+                          f"falling back to torch.optim.AdamW on the host shards", stacklevel=3)
+    return torch.optim.AdamW(params, foreach=False, **kwargs), "torch"
 
 
 class ShardedHostAdamW:
     def __init__(self, chunk_params: list[list[nn.Parameter]], config: OptimizerConfig,
                  group: dist.ProcessGroup | None = None) -> None:
-        global _ANNOUNCED
-        if not _ANNOUNCED:
-            warnings.warn("trainer: host optimizer is torch.optim.AdamW on FP32 shards "
-                          "(DeepSpeed CPU Adam not wired yet)", stacklevel=2)
-            _ANNOUNCED = True
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -62,8 +75,7 @@ class ShardedHostAdamW:
         for params, shard in zip(chunk_params, self.shard_numels):
             flat = self._padded_flat(params, shard * self.world)
             self.masters.append(nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone().cpu()))
-        self.adam = torch.optim.AdamW(self.masters, lr=config.lr, betas=config.betas, eps=config.eps,
-                                      weight_decay=config.weight_decay, foreach=False)
+        self.adam, self.backend = make_host_adam(self.masters, config)
 
     @staticmethod
     def _padded_flat(params: list[nn.Parameter], numel: int) -> torch.Tensor:

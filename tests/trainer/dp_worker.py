@@ -10,6 +10,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        from megatron.core import parallel_state
+
         from tests.trainer.test_step import OPT, make_batch, make_model
         from trainer.step import Trainer, TrainerConfig
 
@@ -20,7 +22,10 @@ def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens:
         offsets = [sum(lens[:i]) for i in range(len(lens) + 1)]
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in mine])
         total = weights.numel()  # the global token count: rank losses sum to the global loss
-        trainer = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
+        # Process groups come from megatron-core (DP = 2 here; TP/PP = 1), as in a real run.
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        trainer = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT),
+                          group=parallel_state.get_data_parallel_group())
         w = weights[rows]
         metrics = trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
                                      lambda lp, rows: -(lp * w[rows]).sum() / total,
@@ -28,4 +33,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens:
         torch.save({"state": trainer.model.state_dict(), "metrics": metrics},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ from trainer.step import Trainer, TrainerConfig
 # embedding row that collects many tokens, is amplified by lr / eps. Seen with eps=1e-8: an entry with
 # g = 4e-8 moved 8.8e-4 vs 8.0e-4 (every other entry within 1e-8). This is AdamW's conditioning,
 # not the trainer's: with eps=1e-4 the same rounding stays below 1e-6.
-OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, eps=1e-4)
+OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, eps=1e-4, backend="torch")
 
 
 def make_model(seed: int = 3) -> HybridLM:
@@ -145,3 +145,18 @@ def test_non_finite_loss_skips_the_step_then_stops():
         trainer.train_step(tokens, lens, targets, lambda lp, rows: lp.sum() * float("inf"))
     with pytest.raises(ValueError, match="empty batch"):
         trainer.train_step(tokens[:0], [], targets[:0], lambda lp, rows: lp.sum())
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_backend_matches_plain_adamw():
+    """DeepSpeed's JIT-built CPU Adam on the host shards (first build ~1 min, then cached)."""
+    import dataclasses
+
+    lens, tokens, targets, weights = make_batch()
+    ours, ref = make_model(), make_model()
+    reference_step(ref, lens, tokens, targets, weights)
+    trainer = Trainer(ours, TrainerConfig(num_chunks=4, optimizer=dataclasses.replace(OPT, backend="deepspeed")))
+    assert trainer.optimizer.backend == "deepspeed"
+    trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert rel_err(p.detach(), q.detach()) <= 1e-6, name
