@@ -12,8 +12,8 @@ Why our own arena and not megatron-core's DDP buffers: megatron's `_ParamAndGrad
 one grad buffer for every parameter of the model at construction (offload_grad_buffers frees or
 restores all of them at once), so it cannot keep only two chunks' gradients resident; its
 parallel_state process groups are what a multi-dimensional (TP/PP) run will use.
-Reduction: an all-reduce of the slot then the local slice (gloo on CPU implements it everywhere;
-NCCL runs would use reduce_scatter_tensor to move half the bytes).
+Reduction: a reduce-scatter of the slot (torch's reduce_scatter_single, gloo and NCCL alike): each
+rank receives only the summed slice its host optimizer owns.
 """
 from __future__ import annotations
 
@@ -98,10 +98,13 @@ class Trainer:
         if any(p.grad is not v for p, v in zip(params, views)):
             raise RuntimeError(f"chunk {chunk}: autograd replaced a .grad instead of accumulating into the arena")
         flat = buffer[:self.optimizer.padded_numel(chunk)]  # parameters, then zero padding
-        if self.optimizer.world > 1:
-            dist.all_reduce(flat, group=self.group)
         shard = self.optimizer.shard_numels[chunk]
-        self.optimizer.add_grad(chunk, flat[self.optimizer.rank * shard:(self.optimizer.rank + 1) * shard])
+        if self.optimizer.world > 1:  # ZeRO-2: each rank receives only its slice of the summed gradient
+            mine = flat.new_empty(shard)
+            dist.reduce_scatter_single(mine, flat, group=self.group)
+        else:
+            mine = flat
+        self.optimizer.add_grad(chunk, mine)
         for p in params:
             p.grad = None
         self.arena.release(chunk)
