@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,11 @@ class TrainerConfig:
 class Trainer:
     def __init__(self, model: HybridLM, config: TrainerConfig, group: dist.ProcessGroup | None = None) -> None:
         self.model, self.config, self.group = model, config, group
+        low = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if low:
+            # .grad views into the FP32 arena need FP32 parameters; bf16 weights need main_grad
+            # hooks (megatron's scheme), not built yet.
+            raise NotImplementedError(f"Trainer needs float32 parameters for now, found {low}")
         self.chunked = ChunkedModel(model, config.num_chunks)
         self.chunk_params = [[p for _, p in self.chunked.chunk_parameters(c)] for c in range(config.num_chunks)]
         self.optimizer = ShardedHostAdamW(self.chunk_params, config.optimizer, group)
