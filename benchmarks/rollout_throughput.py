@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total = args.num_prompts * args.new_tokens
 
     engine = Engine(model, EngineConfig(max_model_len=64 + args.new_tokens + 1, show_progress=False,
-                                        max_num_batched_tokens=2048))
+                                        max_num_batched_tokens=4096))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     hf = None if args.skip_hf else hf_runner(model, prompts, args.new_tokens)
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
