@@ -1,0 +1,109 @@
+"""Request dispatch with auto-throttling (SPEC §5.4): how many requests to keep in the engine.
+
+The RL driver hands the dispatcher a backlog of requests (and, for multi-turn trajectories, a
+callback that turns a finished turn into the next turn's request). The dispatcher keeps at most
+`limit` requests in flight. With `max_concurrency=None` (auto) the limit follows the engine's
+runtime signals, AIMD-style:
+- a preemption since the last step (the pool could not hold the running sequences' growth):
+  multiply the limit by `backoff`;
+- the engine is saturated (requests queued inside it, or pool utilisation >= `high_watermark`):
+  hold the limit;
+- otherwise grow it by a quarter (at least one).
+So concurrency is high while contexts are short and backs off as KV pressure grows, with no
+per-workload tuning. An integer `max_concurrency` pins the limit (the baseline it is compared to).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout.engine import Engine
+from rollout.request import RequestOutput
+from rollout.sampling import SamplingParams
+
+FollowUp = Callable[[RequestOutput], "tuple[list[int], SamplingParams] | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThrottleConfig:
+    max_concurrency: int | None = None
+    """Requests in flight; None = automatic (the default)."""
+    auto_start: int = 8
+    """Automatic mode: the initial limit."""
+    auto_max: int = 1024
+    """Automatic mode: the largest limit."""
+    high_watermark: float = 0.9
+    """Automatic mode: pool utilisation at which the limit stops growing."""
+    backoff: float = 0.5
+    """Automatic mode: limit multiplier after a preemption."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency}, expected >= 1 or None (auto)")
+        if not 1 <= self.auto_start <= self.auto_max:
+            raise ValueError(f"auto_start={self.auto_start}, auto_max={self.auto_max}: expected 1 <= start <= max")
+        if not 0 < self.high_watermark <= 1 or not 0 < self.backoff < 1:
+            raise ValueError(f"high_watermark={self.high_watermark} (in (0, 1]), backoff={self.backoff} "
+                             f"(in (0, 1)) out of range")
+
+
+@dataclass
+class AutoLimit:
+    """The automatic controller: engine signals in, concurrency limit out (no engine access)."""
+
+    config: ThrottleConfig
+    limit: int = 0
+    last_preemptions: int = 0
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.limit = self.config.auto_start
+
+    def update(self, stats: dict[str, float]) -> int:
+        cfg = self.config
+        if stats["preemptions"] > self.last_preemptions:
+            self.limit = max(1, int(self.limit * cfg.backoff))
+        elif stats["waiting"] > 0 or stats["pool_utilization"] >= cfg.high_watermark:
+            pass
+        else:
+            self.limit = min(cfg.auto_max, self.limit + max(1, self.limit // 4))
+        self.last_preemptions = int(stats["preemptions"])
+        self.history.append(self.limit)
+        return self.limit
+
+
+class Dispatcher:
+    def __init__(self, engine: Engine, config: ThrottleConfig | None = None) -> None:
+        self.engine, self.config = engine, config or ThrottleConfig()
+        self.auto = AutoLimit(self.config) if self.config.max_concurrency is None else None
+        self.backlog: deque[tuple[list[int], SamplingParams, FollowUp | None]] = deque()
+        self.in_flight: dict[str, FollowUp | None] = {}
+
+    @property
+    def limit(self) -> int:
+        return self.auto.limit if self.auto is not None else self.config.max_concurrency
+
+    def add(self, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None = None) -> None:
+        """Queue a request; `follow_up(output)` may return the next turn's (prompt, params)."""
+        self.backlog.append((prompt, params, follow_up))
+
+    def run(self, on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Dispatch until the backlog, the follow-ups and the engine are all done; returns every
+        finished request's output in completion order."""
+        outputs = []
+        while self.backlog or self.in_flight:
+            while self.backlog and len(self.in_flight) < self.limit:
+                prompt, params, follow_up = self.backlog.popleft()
+                self.in_flight[self.engine.add_request(prompt, params)] = follow_up
+            for out in self.engine.step():
+                follow_up = self.in_flight.pop(out.request_id)
+                outputs.append(out)
+                if on_output is not None:
+                    on_output(out)
+                nxt = follow_up(out) if follow_up is not None else None
+                if nxt is not None:  # the next turn goes first: its prefix is hot
+                    self.backlog.appendleft((nxt[0], nxt[1], follow_up))
+            if self.auto is not None:
+                self.auto.update(self.engine.stats())
+        return outputs

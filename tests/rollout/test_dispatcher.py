@@ -1,0 +1,48 @@
+"""The dispatcher: auto limit reacts to engine signals; multi-turn follow-ups; outputs unchanged."""
+import pytest
+
+from rollout.dispatcher import AutoLimit, Dispatcher, ThrottleConfig
+from rollout.engine import Engine, EngineConfig
+from rollout.sampling import SamplingParams
+from tests.rollout.conftest import greedy_reference
+
+
+def signals(preemptions=0, waiting=0, util=0.1):
+    return {"preemptions": preemptions, "waiting": waiting, "pool_utilization": util}
+
+
+def test_auto_limit_grows_holds_and_backs_off():
+    auto = AutoLimit(ThrottleConfig(auto_start=8))
+    assert auto.update(signals()) == 10  # room: +25%
+    assert auto.update(signals(util=0.95)) == 10  # pool nearly full: hold
+    assert auto.update(signals(waiting=3)) == 10  # engine queue not empty: hold
+    assert auto.update(signals(preemptions=1)) == 5  # preemption: back off
+    assert auto.update(signals(preemptions=1)) == 6  # no new preemption: grow again
+    with pytest.raises(ValueError, match="max_concurrency=0"):
+        ThrottleConfig(max_concurrency=0)
+
+
+@pytest.mark.parametrize("max_concurrency", [None, 1, 3])
+def test_multi_turn_follow_ups_complete_with_the_plain_models_tokens(tiny_model, max_concurrency):
+    engine = Engine(tiny_model, EngineConfig(num_pages=24, max_model_len=96, show_progress=False,
+                                             check_every_step=True))
+    dispatcher = Dispatcher(engine, ThrottleConfig(max_concurrency=max_concurrency))
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    peak = []
+
+    def follow_up(out):
+        peak.append(len(dispatcher.in_flight))
+        if len(out.prompt) > 40:
+            return None
+        return out.prompt + out.samples[0].tokens + [7, 8, 9], params
+
+    for c in range(4):
+        dispatcher.add([10 + c] * (3 + c), params, follow_up)
+    outputs = dispatcher.run()
+    # each conversation (prompt 3..6 tokens, +8 per turn) ran until its prompt passed 40 tokens: 6 turns
+    assert len(outputs) == 4 * 6
+    for out in outputs:
+        assert out.samples[0].tokens == greedy_reference(tiny_model, out.prompt, 5)[0]
+    if max_concurrency is not None:
+        assert max(peak) < max_concurrency + 1
+    assert engine.pool.num_free == engine.pool.num_pages
