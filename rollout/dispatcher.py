@@ -6,9 +6,11 @@ callback that turns a finished turn into the next turn's request). The dispatche
 runtime signals, AIMD-style:
 - a preemption since the last step (the pool could not hold the running sequences' growth):
   multiply the limit by `backoff`;
-- the engine is saturated (requests queued inside it, or pool utilisation >= `high_watermark`):
-  hold the limit;
+- the engine is saturated (requests queued inside it, pool utilisation >= `high_watermark`, or
+  requests held back for KV room, below): hold the limit;
 - otherwise grow it by a quarter (at least one).
+and, before any preemption happens, a request is only sent while the pages the in-flight requests
+would hold at their full length (prompt + max_new_tokens) fit in `kv_overcommit` x the pool.
 So concurrency is high while contexts are short and backs off as KV pressure grows, with no
 per-workload tuning. An integer `max_concurrency` pins the limit (the baseline it is compared to).
 """
@@ -37,6 +39,8 @@ class ThrottleConfig:
     """Automatic mode: pool utilisation at which the limit stops growing."""
     backoff: float = 0.5
     """Automatic mode: limit multiplier after a preemption."""
+    kv_overcommit: float = 1.0
+    """Automatic mode: in-flight requests' full-length pages may reach this multiple of the pool."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -60,11 +64,12 @@ class AutoLimit:
     def __post_init__(self) -> None:
         self.limit = self.config.auto_start
 
-    def update(self, stats: dict[str, float]) -> int:
+    def update(self, stats: dict[str, float], hold: bool = False) -> int:
+        """`hold`: no reason to grow this step (requests held back for KV room, or none waiting)."""
         cfg = self.config
         if stats["preemptions"] > self.last_preemptions:
             self.limit = max(1, int(self.limit * cfg.backoff))
-        elif stats["waiting"] > 0 or stats["pool_utilization"] >= cfg.high_watermark:
+        elif hold or stats["waiting"] > 0 or stats["pool_utilization"] >= cfg.high_watermark:
             pass
         else:
             self.limit = min(cfg.auto_max, self.limit + max(1, self.limit // 4))
@@ -79,6 +84,17 @@ class Dispatcher:
         self.auto = AutoLimit(self.config) if self.config.max_concurrency is None else None
         self.backlog: deque[tuple[list[int], SamplingParams, FollowUp | None]] = deque()
         self.in_flight: dict[str, FollowUp | None] = {}
+        self._projected: dict[str, int] = {}  # request -> pages it holds at full length
+
+    def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
+        tokens = min(len(prompt) + params.max_new_tokens, self.engine.config.max_model_len)
+        return self.engine.cache.pages_for_tokens(tokens) * params.n
+
+    def _room_for(self, prompt: list[int], params: SamplingParams) -> bool:
+        if self.auto is None or not self.in_flight:
+            return True  # a fixed limit is the whole policy; one request always goes
+        budget = self.config.kv_overcommit * self.engine.pool.num_pages
+        return sum(self._projected.values()) + self._full_length_pages(prompt, params) <= budget
 
     @property
     def limit(self) -> int:
@@ -93,11 +109,18 @@ class Dispatcher:
         finished request's output in completion order."""
         outputs = []
         while self.backlog or self.in_flight:
+            kv_bound = False
             while self.backlog and len(self.in_flight) < self.limit:
+                if not self._room_for(self.backlog[0][0], self.backlog[0][1]):
+                    kv_bound = True
+                    break
                 prompt, params, follow_up = self.backlog.popleft()
-                self.in_flight[self.engine.add_request(prompt, params)] = follow_up
+                request_id = self.engine.add_request(prompt, params)
+                self.in_flight[request_id] = follow_up
+                self._projected[request_id] = self._full_length_pages(prompt, params)
             for out in self.engine.step():
                 follow_up = self.in_flight.pop(out.request_id)
+                self._projected.pop(out.request_id)
                 outputs.append(out)
                 if on_output is not None:
                     on_output(out)
@@ -105,5 +128,5 @@ class Dispatcher:
                 if nxt is not None:  # the next turn goes first: its prefix is hot
                     self.backlog.appendleft((nxt[0], nxt[1], follow_up))
             if self.auto is not None:
-                self.auto.update(self.engine.stats())
+                self.auto.update(self.engine.stats(), hold=kv_bound or not self.backlog)
         return outputs
