@@ -1,0 +1,1 @@
+"""The framework face: orchestrator, tasks/environments, rewards, entry points (see README.md)."""
