@@ -28,7 +28,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 = off."""
     seed: int | None = None
-    """Seed of this request's generator (fork i of a parallel request uses seed + i); None = from the engine seed and request id."""
+    """Seed of this request's generator (fork i of a parallel request uses seed + i); None = from the
+    engine seed and request id. Requests given the same seed draw the same random numbers."""
     n: int = 1
     """Parallel samples of the prompt (GRPO groups): prefilled once, then forked."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
