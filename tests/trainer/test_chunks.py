@@ -4,6 +4,7 @@ import torch
 
 from models.config import load_model_config
 from models.model import HybridLM
+from tests.trainer.plain import plain_packed_logprobs
 from trainer.chunks import ChunkedModel, split_chunks
 
 
@@ -37,14 +38,7 @@ def test_chunked_backward_equals_plain_backward(model, num_chunks):
 
     # plain: the whole model in one piece
     model.zero_grad()
-    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    tgt = torch.zeros_like(ids)
-    offset = 0
-    for b, n in enumerate(lens):
-        ids[b, :n], tgt[b, :n] = tokens[offset:offset + n], targets[offset:offset + n]
-        offset += n
-    logp = model.token_logprobs(ids, tgt, lengths=lens)
-    plain_logp = torch.cat([logp[b, :n] for b, n in enumerate(lens)])
+    plain_logp = plain_packed_logprobs(model, lens, tokens, targets)
     plain_loss = loss_fn(plain_logp)
     plain_loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

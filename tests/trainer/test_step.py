@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from memory.grad_arena import ArenaFull, GradArena
+from tests.trainer.plain import plain_packed_logprobs
 from models.config import load_model_config
 from models.model import HybridLM
 from trainer.optimizer import OptimizerConfig
@@ -33,14 +34,7 @@ def reference_step(model: HybridLM, lens, tokens, targets, weights) -> None:
                             weight_decay=OPT.weight_decay, foreach=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    tgt = torch.zeros_like(ids)
-    offset = 0
-    for b, n in enumerate(lens):
-        ids[b, :n], tgt[b, :n] = tokens[offset:offset + n], targets[offset:offset + n]
-        offset += n
-    logp = model.token_logprobs(ids, tgt, lengths=lens)
-    packed = torch.cat([logp[b, :n] for b, n in enumerate(lens)])
+    packed = plain_packed_logprobs(model, lens, tokens, targets)
     (-(packed * weights).sum() / weights.numel()).backward()
     opt.step()
 
