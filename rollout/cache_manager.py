@@ -44,7 +44,7 @@ class CacheManager:
                 seq.kda_pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda_groups)]
             if not seq.mla_pages:
                 seq.mla_pages = [[] for _ in range(self.num_mla_groups)]
-            missing = self.layout.mla_pages_for(num_tokens) - len(seq.mla_pages[0])
+            missing = self.layout.mla_pages_for(num_tokens) - len(seq.mla_pages[0]) if self.num_mla_groups else 0
             if missing > 0:
                 for g in range(self.num_mla_groups):
                     seq.mla_pages[g].extend(self.pool.allocate(missing, ("mla", g)))

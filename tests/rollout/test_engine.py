@@ -151,3 +151,18 @@ def test_fork_without_room_for_copies_recomputes_each_sample(tiny_model):
                                                               for i in range(8)])
     assert [s.tokens for s in out.samples] == [o.samples[0].tokens for o in singles]
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_a_kda_only_model_runs_without_mla_pages():
+    import dataclasses
+
+    from models.config import hybrid_layer_types, load_model_config
+    from models.model import HybridLM
+
+    cfg = dataclasses.replace(load_model_config("configs/model/tiny.yaml"), num_hidden_layers=4,
+                              layer_types=hybrid_layer_types(4, "K"), mlp_layer_types=["dense"] * 4)
+    model = HybridLM(cfg).init_weights(seed=1, std=0.15).eval()
+    engine = Engine(model, EngineConfig(num_pages=8, max_model_len=64, show_progress=False, check_every_step=True))
+    (out,) = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    assert out.samples[0].tokens == greedy_reference(model, [1, 2, 3, 4, 5], 6)[0]
+    assert engine.pool.num_free == engine.pool.num_pages
