@@ -20,6 +20,7 @@ from torch import nn
 
 from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from models.config import ModelConfig
+from models.fused import fused_weight, use_fused
 from models.norms import GatedRMSNorm
 from models.state import KDALayerState, SegmentBatch
 
@@ -64,18 +65,26 @@ class KDALayer(nn.Module):
             conv_tail=torch.zeros(self.kernel - 1, 3 * h * dk, device=device, dtype=dtype),  # [K-1, 3*qkv]
         )
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g (<= 0), float32. x: [N, D] -> [N, H, dk]."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+    def decay(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g (<= 0), float32. f_a = f_a_proj(x): [N, dk] -> [N, H, dk]."""
+        raw = self.f_b_proj(f_a).float() + self.dt_bias.float()
+        raw = raw.view(f_a.shape[0], self.num_heads, self.head_dim)
         # softplus with the reference's overflow guard (identity above 20), which F.softplus shares.
         return -torch.exp(self.A_log.float())[:, None] * F.softplus(raw, beta=1.0, threshold=20.0)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token inputs of the mixer. x: [N, D] -> (pre-conv q|k|v [N, 3*qkv], g [N, H, dk] fp32,
-        beta [N, H] fp32)."""
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3*qkv]
-        return mixed, self.decay(x), torch.sigmoid(self.b_proj(x).float())
+        beta [N, H] fp32, output gate logits [N, H, dk] for `output`)."""
+        h, dk = self.num_heads, self.head_dim
+        if use_fused(x):  # one matmul for the six projections of x (models/fused.py)
+            weight = fused_weight(self, "in", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                               self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight])
+            mixed, f_a, g_a, b = F.linear(x, weight).split([3 * h * dk, dk, dk, h], dim=-1)
+        else:
+            mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3*qkv]
+            f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+        gate = self.g_b_proj(g_a).view(x.shape[0], h, dk)
+        return mixed, self.decay(f_a), torch.sigmoid(b.float()), gate
 
     def short_conv(self, mixed: torch.Tensor, tail: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,10 +106,10 @@ class KDALayer(nn.Module):
         q, k = l2norm(qkv[:, :, :2]).unbind(2)  # q and k normalised in one go
         return q, k, qkv[:, :, 2], ext
 
-    def output(self, x: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
-        """Gated per-head norm + o_proj. x: [N, D] (the layer input), core: [N, H, dv] -> [N, D]."""
-        gate = self.g_b_proj(self.g_a_proj(x)).view(core.shape)
-        return self.o_proj(self.o_norm(core.to(x.dtype), gate).flatten(1))
+    def output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Gated per-head norm + o_proj. core: [N, H, dv] mixer output, gate: [N, H, dv] from
+        `project` -> [N, D] in gate's dtype."""
+        return self.o_proj(self.o_norm(core.to(gate.dtype), gate).flatten(1))
 
     def forward(self, x: torch.Tensor, batch: SegmentBatch, states: Sequence[KDALayerState | None],
                 state_positions: Sequence[Sequence[int]]
@@ -112,7 +121,7 @@ class KDALayer(nn.Module):
         Returns (out [N, D], the final state of every sequence, the requested states). Inputs are
         not mutated.
         """
-        mixed, g, beta = self.project(x)
+        mixed, g, beta, gate = self.project(x)
         core = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         finals, requested = [], []
         for i, (start, new_len) in enumerate(zip(batch.starts, batch.new_lens)):
@@ -131,4 +140,4 @@ class KDALayer(nn.Module):
             finals.append(KDALayerState(final[0], ext[0, new_len:].clone()))
             requested.append([KDALayerState(at[0, j], ext[0, r:r + self.kernel - 1].clone())
                               for j, r in enumerate(rel)])
-        return self.output(x, core), finals, requested
+        return self.output(core, gate), finals, requested

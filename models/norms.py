@@ -16,6 +16,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> same shape and dtype."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same two products in the same order, in one op: (x * rsqrt(mean(x^2) + eps)) * weight.
+            return F.rms_norm(x, (x.shape[-1],), weight=self.weight, eps=self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), fp32
         return self.weight * normed.to(x.dtype)
 

@@ -124,24 +124,29 @@ class PagedMixer:
             self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long)  # [Bd]
             self.decode_index = torch.tensor(self.decode, dtype=torch.long)  # [Bd]
         self.positions = batch.positions()  # [N]
+        self.seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens)),
+                                                    torch.tensor(batch.new_lens))  # [N]
+        self.decode_seq_lens = torch.tensor([batch.starts[i] + 1 for i in self.decode], dtype=torch.long)  # [Bd]
+        self._write_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(table) -> (pages, slots)
         self.prefill_groups = _length_buckets(self.prefill, [batch.new_lens[i] for i in self.prefill])
 
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
         state, conv = self.caches.kda_state[index], self.caches.kda_conv[index]
         pages = self.step.state_pages[index]  # [B]
         batch = self.step.batch
-        mixed, g, beta = layer.project(x)
+        mixed, g, beta, gate = layer.project(x)
         core = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=x.device)
         if self.decode:
             rows, dec_pages = self.decode_rows, pages[self.decode_index]
-            tails = _tails_to_layer(conv[dec_pages])  # [Bd, K-1, 3*qkv]
+            # index_select / index_copy_ rather than conv[pages] (= ...): same gathers, cheaper on CPU.
+            tails = _tails_to_layer(conv.index_select(0, dec_pages))  # [Bd, K-1, 3*qkv]
             q, k, v, ext = layer.short_conv(mixed[rows, None], tails)
             core[rows] = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[rows], beta[rows], state, dec_pages,
                                          impl=self.step.impl, check=self.step.check)
-            conv[dec_pages] = _tails_to_pool(ext[:, 1:], layer.num_heads).to(conv.dtype)
+            conv.index_copy_(0, dec_pages, _tails_to_pool(ext[:, 1:], layer.num_heads).to(conv.dtype))
         for group in self.prefill_groups:
             self._kda_prefill(layer, group, mixed, g, beta, state, conv, pages, core)
-        return layer.output(x, core)
+        return layer.output(core, gate)
 
     def _kda_prefill(self, layer: KDALayer, seqs: list[int], mixed: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, conv: torch.Tensor, pages: torch.Tensor,
@@ -163,8 +168,8 @@ class PagedMixer:
         seq_pages = pages[seqs]  # [Bp]
         fresh = torch.tensor([batch.starts[i] == 0 for i in seqs])[:, None, None, None]  # [Bp, 1, 1, 1]
         # A fresh sequence starts from zeros, whatever its page held before (pages are not cleared).
-        init = state[seq_pages].masked_fill(fresh, 0.0)  # [Bp, H, dk, dv]
-        tails = _tails_to_layer(conv[seq_pages].masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
+        init = state.index_select(0, seq_pages).masked_fill(fresh, 0.0)  # [Bp, H, dk, dv]
+        tails = _tails_to_layer(conv.index_select(0, seq_pages).masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
         q, k, v, ext = layer.short_conv(padded_mixed, tails)
         form, chunk_len = torch_prefill_form(num, width)
         if self.step.impl == "naive" and form == "recurrent":
@@ -172,10 +177,10 @@ class PagedMixer:
         else:
             o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
                                     chunk_len=chunk_len or 16)
-        state[seq_pages] = final.to(state.dtype)
+        state.index_copy_(0, seq_pages, final.to(state.dtype))
         ends = torch.tensor(lens)[:, None] + torch.arange(layer.kernel - 1)[None]  # [Bp, K-1] ext rows of the new tail
         new_tails = ext[torch.arange(num)[:, None], ends]  # [Bp, K-1, 3*qkv]
-        conv[seq_pages] = _tails_to_pool(new_tails, layer.num_heads).to(conv.dtype)
+        conv.index_copy_(0, seq_pages, _tails_to_pool(new_tails, layer.num_heads).to(conv.dtype))
         for j, r in enumerate(rows):
             core[r] = o[j, :lens[j]]
 
@@ -185,18 +190,22 @@ class PagedMixer:
         batch, block_tokens = self.step.batch, cache.shape[1]
         q_nope, q_rope = layer.queries(x, self.positions)
         latent = layer.latent(x, self.positions)  # [N, d_c + d_r]
-        # Write the new tokens' entries before attending: prefill attends to itself.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens)), torch.tensor(batch.new_lens))
-        cache[tables[seq_of_token, self.positions // block_tokens], self.positions % block_tokens] = latent.to(cache.dtype)
+        # Write the new tokens' entries before attending: prefill attends to itself. Layers of one
+        # cache group share a block table, so their write slots are computed once per step.
+        slots = self._write_slots.get(id(tables))
+        if slots is None:
+            slots = (tables[self.seq_of_token, self.positions // block_tokens], self.positions % block_tokens)
+            self._write_slots[id(tables)] = slots
+        cache[slots] = latent.to(cache.dtype)
         w_uk, w_uv = layer.up_projections()
         out = torch.empty(x.shape[0], layer.num_heads, layer.v_dim, dtype=x.dtype, device=x.device)
         if self.decode:
             rows = self.decode_rows
-            q_lat = torch.einsum("bhn,hnc->bhc", q_nope[rows].float(), w_uk.float())  # [Bd, H, d_c]
-            seq_lens = torch.tensor([batch.starts[i] + 1 for i in self.decode])
-            o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index], seq_lens,
+            # Head-batched matmuls (cheaper than the equivalent einsums at these sizes).
+            q_lat = torch.bmm(q_nope[rows].float().transpose(0, 1), w_uk.float()).transpose(0, 1)  # [Bd, H, d_c]
+            o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index], self.decode_seq_lens,
                                      scale=layer.scale, impl=self.step.impl, check=self.step.check)
-            out[rows] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv.float()).to(out.dtype)
+            out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(out.dtype)
         for i in self.prefill:
             rows, end = batch.rows(i), batch.starts[i] + batch.new_lens[i]
             pages = tables[i, :(end + block_tokens - 1) // block_tokens]

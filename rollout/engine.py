@@ -160,20 +160,20 @@ class Engine:
         if scheduled.seqs:
             sampling, logits = self.runner.run(scheduled)
             self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
-            to_sample: list[tuple[Sequence, torch.Tensor]] = []
+            seqs: list[Sequence] = []
+            rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
             for row, index in enumerate(sampling):
                 seq = scheduled.seqs[index]
-                if seq.num_forks:
-                    to_sample += [(child, logits[row]) for child in self._fork(seq)]
-                else:
-                    to_sample.append((seq, logits[row]))
-            if to_sample:
-                seqs = [s for s, _ in to_sample]
-                tokens, logprobs = sample(torch.stack([l for _, l in to_sample]), [s.params for s in seqs],
-                                          [s.generator for s in seqs])
+                children = self._fork(seq) if seq.num_forks else [seq]
+                seqs += children
+                rows += [row] * len(children)
+            if seqs:
+                if len(rows) != logits.shape[0]:
+                    logits = logits.index_select(0, torch.tensor(rows))
+                tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
                 for seq, token, logprob in zip(seqs, tokens, logprobs):
                     self._append(seq, token, logprob)
-            done = {s.request_id for s, _ in to_sample if s.status is SeqStatus.FINISHED}
+            done = {s.request_id for s in seqs if s.status is SeqStatus.FINISHED}
             finished = [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
         self.num_steps += 1
         if self.config.check_every_step:

@@ -74,7 +74,8 @@ def _kda_decode_naive(q, k, v, g, beta, state, state_pages, scale) -> Tensor:
     B, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = state[pages].float().mul_(g.exp().unsqueeze(-1)).view(B * H, K, V)  # decayed copy
+    # index_select, not state[pages]: the same gather, several times faster on CPU.
+    S = state.index_select(0, pages).float().mul_(g.exp().unsqueeze(-1)).view(B * H, K, V)  # decayed copy
     k_rows = k.reshape(B * H, 1, K)
     predicted = torch.bmm(k_rows, S)  # [B*H, 1, V] S'^T k: what the state recalls
     delta = (beta.reshape(B * H, 1, 1) * (v.reshape(B * H, 1, V) - predicted))  # [B*H, 1, V]

@@ -79,18 +79,27 @@ def _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens) -> tuple[int, ..
 
 
 def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale) -> Tensor:
-    """Gathers every sequence's cached tokens into one padded [B, max_len, Dc + Dr] batch, then
-    plain softmax attention. Padding rows re-read the sequence's token 0 (a real, finite entry)
-    and are masked out of the softmax, so slots past seq_len are never read."""
+    """Gathers every sequence's pages (whole blocks, in table order) into one padded
+    [B, max_blocks * block_tokens, Dc + Dr] batch, then plain softmax attention. Slots past a
+    sequence's seq_len may hold anything (stale or never-written pages, even NaN bit patterns):
+    they are masked out of the softmax, and zeroed when the gather holds any non-finite value.
+    Table entries past the last needed block are never dereferenced (page 0 is read instead)."""
     B, H, Dc = q_lat.shape
-    block_tokens = cache.shape[1]
+    block_tokens, width = cache.shape[1], cache.shape[2]
     f32 = torch.float32
     lens = seq_lens.to(device=q_lat.device, dtype=torch.long)  # [B]
-    positions = torch.arange(int(lens.max()), device=q_lat.device)  # [S]
-    valid = positions < lens[:, None]  # [B, S]
-    positions = positions.masked_fill(~valid, 0)  # [B, S] padding -> token 0
-    pages = block_tables.long().gather(1, positions // block_tokens)  # [B, S]
-    kv = cache[pages, positions % block_tokens].to(f32)  # [B, S, Dc + Dr]
+    num_blocks = -(-int(lens.max()) // block_tokens)
+    blocks = torch.arange(num_blocks, device=q_lat.device)  # [nb]
+    needed = blocks * block_tokens < lens[:, None]  # [B, nb]
+    pages = block_tables[:, :num_blocks].long().masked_fill(~needed, 0)  # [B, nb]
+    # A block gather (index_select of whole pages) is several times cheaper than a per-token one.
+    kv = cache.index_select(0, pages.reshape(-1)).view(B, num_blocks * block_tokens, width).to(f32)
+    valid = torch.arange(num_blocks * block_tokens, device=q_lat.device) < lens[:, None]  # [B, S]
+    # Probabilities past seq_len are exactly 0 below, and 0 * finite = 0, so those slots only need
+    # clearing when something in the gather is not finite (one cheap sum decides; NaN/inf in a real
+    # slot still reaches the output, as in the reference).
+    if not bool(kv.sum().isfinite()):
+        kv = kv.masked_fill(~valid[..., None], 0.0)  # [B, S, Dc + Dr]
     q = torch.cat([q_lat, q_rope], dim=-1).to(f32)  # [B, H, Dc + Dr]: one product scores both parts
     scores = (q @ kv.transpose(1, 2)) * scale  # [B, H, S]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))

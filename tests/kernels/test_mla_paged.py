@@ -20,13 +20,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_paged(
-    seq_lens, *, H=3, Dc=24, Dr=8, block_tokens=5, spare_pages=3, seed=0, table_dtype=torch.int32
+    seq_lens, *, H=3, Dc=24, Dr=8, block_tokens=5, spare_pages=3, seed=0, table_dtype=torch.int32,
+    fill=float("nan"),
 ):
     """A page pool holding each sequence's latent rows on shuffled pages.
 
     Returns (q_lat, q_rope, cache, block_tables, seq_lens, kv_per_seq). The cache is a
     non-contiguous view into a flat buffer whose page stride exceeds a page's rows; every
-    element no sequence needs (tail slots, spare pages, page padding) is NaN, and block-table
+    element no sequence needs (tail slots, spare pages, page padding) is `fill` (NaN unless told
+    otherwise), and block-table
     entries past a sequence's pages are -1 or a huge id, so reading any of them shows up.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -35,7 +37,7 @@ def make_paged(
     num_pages = sum(num_blocks) + spare_pages
     page_elems = block_tokens * L + 11  # page stride larger than the layer's rows
     offset = 3  # the layer does not start at the page start
-    buf = torch.full((num_pages, page_elems + offset), float("nan"))  # [num_pages, page_elems]
+    buf = torch.full((num_pages, page_elems + offset), fill)  # [num_pages, page_elems]
     cache = buf[:, offset : offset + block_tokens * L].view(num_pages, block_tokens, L)
     max_blocks = max(num_blocks) + 2
     block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int64)
@@ -83,6 +85,24 @@ def test_naive_matches_reference_on_gathered_cache(Dr, block_tokens):
             q_start=seq_len - 1,
         )  # [1, H, Dc]
         assert rel_err(o[b : b + 1].cpu(), ref) <= TOL, b
+
+
+@pytest.mark.parametrize("fill", [1e30, -3.0, float("inf")])
+def test_garbage_past_seq_len_never_leaks(fill):
+    # The naive path skips clearing unused slots when everything it gathered is finite (huge or
+    # not); with an inf it clears them. Either way the output is the NaN-garbage one.
+    args = dict(H=2, Dc=16, Dr=4, block_tokens=4, seed=3)
+    expected = paged_mla_decode(*make_paged([3, 9, 1], **args)[:5], scale=0.4)
+    got = paged_mla_decode(*make_paged([3, 9, 1], fill=fill, **args)[:5], scale=0.4)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_nan_in_a_real_slot_reaches_the_output():
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([6, 4], H=2, fill=0.0)
+    cache[tables[1, 0], 2, 0] = float("nan")  # a cached token of sequence 1
+    o = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.5)
+    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all()
 
 
 @pytest.mark.triton
