@@ -67,10 +67,15 @@ class KDALayer(nn.Module):
 
     def decay(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g (<= 0), float32. f_a = f_a_proj(x): [N, dk] -> [N, H, dk]."""
-        raw = self.f_b_proj(f_a).float() + self.dt_bias.float()
+        if use_fused(f_a) and f_a.dtype == self.dt_bias.dtype == torch.float32:
+            raw = F.linear(f_a, self.f_b_proj.weight, self.dt_bias)  # bias added inside the matmul
+            rate = fused_weight(self, "rate", [self.A_log], lambda: -torch.exp(self.A_log.float())[:, None])
+        else:
+            raw = self.f_b_proj(f_a).float() + self.dt_bias.float()
+            rate = -torch.exp(self.A_log.float())[:, None]  # [H, 1]
         raw = raw.view(f_a.shape[0], self.num_heads, self.head_dim)
         # softplus with the reference's overflow guard (identity above 20), which F.softplus shares.
-        return -torch.exp(self.A_log.float())[:, None] * F.softplus(raw, beta=1.0, threshold=20.0)
+        return rate * F.softplus(raw, beta=1.0, threshold=20.0)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token inputs of the mixer. x: [N, D] -> (pre-conv q|k|v [N, 3*qkv], g [N, H, dk] fp32,
@@ -98,10 +103,17 @@ class KDALayer(nn.Module):
         ext = torch.cat([tail.to(mixed.dtype), mixed], dim=1)  # [B, K-1+L, 3*qkv]
         # Depthwise causal conv as K shifted multiply-adds over contiguous slices (cheaper on CPU
         # than conv1d or an unfolded window product for short inputs; same sum).
-        taps = self.conv_weight.t().contiguous()  # [K, 3*qkv]: tap j of every channel, contiguous
-        conv = ext[:, :new_len] * taps[0]  # [B, L, 3*qkv], a fresh tensor: safe to accumulate into
-        for j in range(1, self.kernel):
-            conv.addcmul_(ext[:, j:j + new_len], taps[j])
+        if use_fused(mixed):
+            taps = fused_weight(self, "taps", [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
+                                lambda: self.conv_weight.t().contiguous())
+        else:
+            taps = self.conv_weight.t().contiguous()  # [K, 3*qkv]: tap j of every channel, contiguous
+        if new_len == 1:  # decode: one window, one product and one sum
+            conv = (ext * taps).sum(dim=1, keepdim=True)  # [B, 1, 3*qkv]
+        else:
+            conv = ext[:, :new_len] * taps[0]  # [B, L, 3*qkv], a fresh tensor: safe to accumulate into
+            for j in range(1, self.kernel):
+                conv.addcmul_(ext[:, j:j + new_len], taps[j])
         qkv = F.silu(conv).float().view(bsz, new_len, 3, self.num_heads, self.head_dim)
         q, k = l2norm(qkv[:, :, :2]).unbind(2)  # q and k normalised in one go
         return q, k, qkv[:, :, 2], ext

@@ -23,7 +23,7 @@ import torch
 
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
-from kernels.kda.naive import naive_recurrent_kda
+from kernels.kda.recurrent import recurrent_kda
 from kernels.mla.naive import naive_mla_attention
 from kernels.mla.paged import paged_mla_decode
 from models.kda import KDALayer
@@ -159,12 +159,17 @@ class PagedMixer:
         batch = self.step.batch
         lens = [batch.new_lens[i] for i in seqs]
         width, num = max(lens), len(seqs)
-        rows = [batch.rows(i) for i in seqs]
-        padded_mixed = mixed.new_zeros(num, width, mixed.shape[-1])  # [Bp, Lmax, 3*qkv]
-        padded_g = g.new_zeros(num, width, *g.shape[1:])  # [Bp, Lmax, H, dk]
-        padded_beta = beta.new_zeros(num, width, beta.shape[-1])  # [Bp, Lmax, H]
-        for j, r in enumerate(rows):
-            padded_mixed[j, :lens[j]], padded_g[j, :lens[j]], padded_beta[j, :lens[j]] = mixed[r], g[r], beta[r]
+        # Real rows of the group's sequences, in order (src), and where each lands in the
+        # right-padded [Bp * Lmax] layout (dst): one gather + one scatter per tensor.
+        offsets = batch.offsets
+        src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long)
+        dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [N, *rest] -> [Bp, Lmax, *rest], zeros past each length
+            out = x.new_zeros(num * width, *x.shape[1:])
+            return out.index_copy_(0, dst, x.index_select(0, src)).view(num, width, *x.shape[1:])
+
+        padded_mixed, padded_g, padded_beta = padded(mixed), padded(g), padded(beta)  # [Bp, Lmax, ...]
         seq_pages = pages[seqs]  # [Bp]
         fresh = torch.tensor([batch.starts[i] == 0 for i in seqs])[:, None, None, None]  # [Bp, 1, 1, 1]
         # A fresh sequence starts from zeros, whatever its page held before (pages are not cleared).
@@ -173,7 +178,7 @@ class PagedMixer:
         q, k, v, ext = layer.short_conv(padded_mixed, tails)
         form, chunk_len = torch_prefill_form(num, width)
         if self.step.impl == "naive" and form == "recurrent":
-            o, final, _ = naive_recurrent_kda(q, k, v, padded_g, padded_beta, initial_state=init)
+            o, final = recurrent_kda(q, k, v, padded_g, padded_beta, initial_state=init)
         else:
             o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
                                     chunk_len=chunk_len or 16)
@@ -181,8 +186,7 @@ class PagedMixer:
         ends = torch.tensor(lens)[:, None] + torch.arange(layer.kernel - 1)[None]  # [Bp, K-1] ext rows of the new tail
         new_tails = ext[torch.arange(num)[:, None], ends]  # [Bp, K-1, 3*qkv]
         conv.index_copy_(0, seq_pages, _tails_to_pool(new_tails, layer.num_heads).to(conv.dtype))
-        for j, r in enumerate(rows):
-            core[r] = o[j, :lens[j]]
+        core.index_copy_(0, src, o.reshape(num * width, *o.shape[2:]).index_select(0, dst).to(core.dtype))
 
     def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
         cache = self.caches.mla_latent[index]  # [P, bt, d_c + d_r]

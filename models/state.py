@@ -16,6 +16,7 @@ others (a cached checkpoint) stays valid.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -66,8 +67,9 @@ class SegmentBatch:
     new_lens: list[int]
     starts: list[int]
 
-    @property
+    @cached_property
     def offsets(self) -> list[int]:
+        """First packed row of each sequence (computed once: a batch is not modified after it is built)."""
         out, acc = [], 0
         for n in self.new_lens:
             out.append(acc)
