@@ -24,7 +24,6 @@ import torch
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
 from kernels.kda.recurrent import recurrent_kda
-from kernels.mla.naive import naive_mla_attention
 from kernels.mla.paged import paged_mla_decode
 from models.kda import KDALayer
 from models.mla import MLALayer
@@ -110,6 +109,12 @@ def _length_buckets(seqs: list[int], lens: list[int], max_waste: float = 2.0) ->
     return [members for members, _ in groups]
 
 
+def _pad(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num: int, width: int) -> torch.Tensor:
+    """Packed rows x[src] placed at rows dst of a zero [num * width, ...] tensor: [num, width, ...]."""
+    out = x.new_zeros(num * width, *x.shape[1:])
+    return out.index_copy_(0, dst, x.index_select(0, src)).view(num, width, *x.shape[1:])
+
+
 class PagedMixer:
     """`Mixer` over pool pages; mutates the pages of the sequences in `step` (and only those)."""
 
@@ -129,6 +134,23 @@ class PagedMixer:
         self.decode_seq_lens = torch.tensor([batch.starts[i] + 1 for i in self.decode], dtype=torch.long)  # [Bd]
         self._write_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(table) -> (pages, slots)
         self.prefill_groups = _length_buckets(self.prefill, [batch.new_lens[i] for i in self.prefill])
+        # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
+        self.attn_groups = _length_buckets(self.prefill, [batch.starts[i] + batch.new_lens[i] for i in self.prefill])
+        self._packings: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def _packing(self, seqs: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Right-padding of some sequences' new tokens: (Lmax, src, dst) where packed row src[r]
+        goes to row dst[r] of the [len(seqs) * Lmax] padded layout. Same for every layer of the
+        step, so computed once per group."""
+        key = tuple(seqs)
+        if key not in self._packings:
+            batch = self.step.batch
+            lens, offsets = [batch.new_lens[i] for i in seqs], batch.offsets
+            width = max(lens)
+            src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long)
+            dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
+            self._packings[key] = (width, src, dst)
+        return self._packings[key]
 
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
         state, conv = self.caches.kda_state[index], self.caches.kda_conv[index]
@@ -158,18 +180,8 @@ class PagedMixer:
         """
         batch = self.step.batch
         lens = [batch.new_lens[i] for i in seqs]
-        width, num = max(lens), len(seqs)
-        # Real rows of the group's sequences, in order (src), and where each lands in the
-        # right-padded [Bp * Lmax] layout (dst): one gather + one scatter per tensor.
-        offsets = batch.offsets
-        src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long)
-        dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
-
-        def padded(x: torch.Tensor) -> torch.Tensor:  # [N, *rest] -> [Bp, Lmax, *rest], zeros past each length
-            out = x.new_zeros(num * width, *x.shape[1:])
-            return out.index_copy_(0, dst, x.index_select(0, src)).view(num, width, *x.shape[1:])
-
-        padded_mixed, padded_g, padded_beta = padded(mixed), padded(g), padded(beta)  # [Bp, Lmax, ...]
+        num, (width, src, dst) = len(seqs), self._packing(seqs)
+        padded_mixed, padded_g, padded_beta = (_pad(x, src, dst, num, width) for x in (mixed, g, beta))  # [Bp, Lmax, ...]
         seq_pages = pages[seqs]  # [Bp]
         fresh = torch.tensor([batch.starts[i] == 0 for i in seqs])[:, None, None, None]  # [Bp, 1, 1, 1]
         # A fresh sequence starts from zeros, whatever its page held before (pages are not cleared).
@@ -210,10 +222,38 @@ class PagedMixer:
             o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index], self.decode_seq_lens,
                                      scale=layer.scale, impl=self.step.impl, check=self.step.check)
             out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(out.dtype)
-        for i in self.prefill:
-            rows, end = batch.rows(i), batch.starts[i] + batch.new_lens[i]
-            pages = tables[i, :(end + block_tokens - 1) // block_tokens]
-            gathered = cache[pages].reshape(-1, cache.shape[-1])[:end]  # [end, d_c + d_r]
-            out[rows] = naive_mla_attention(q_nope[rows], q_rope[rows], gathered, w_uk, w_uv,
-                                            scale=layer.scale, q_start=batch.starts[i])
+        for group in self.attn_groups:
+            self._mla_prefill(layer, group, q_nope, q_rope, cache, tables, out)
         return layer.output(x, out)
+
+    def _mla_prefill(self, layer: MLALayer, seqs: list[int], q_nope: torch.Tensor, q_rope: torch.Tensor,
+                     cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
+        """Causal attention of several sequences' new tokens over their pages (absorbed form, as
+        decode): queries right-padded to the longest chunk, whole pages gathered per sequence.
+        Padded query rows and slots past a sequence's end are masked out (and zeroed when the
+        gather holds non-finite values, as in `paged_mla_decode`); padded outputs are dropped."""
+        batch, block_tokens, width_kv = self.step.batch, cache.shape[1], cache.shape[2]
+        num, (width, src, dst) = len(seqs), self._packing(seqs)
+        heads, d_c = layer.num_heads, layer.kv_lora_rank
+        w_uk, w_uv = (w.float() for w in layer.up_projections())
+        starts = torch.tensor([batch.starts[i] for i in seqs])  # [Bp]
+        ends = starts + torch.tensor([batch.new_lens[i] for i in seqs])  # [Bp]
+        num_blocks = -(-int(ends.max()) // block_tokens)
+        span = num_blocks * block_tokens
+        needed = torch.arange(num_blocks) * block_tokens < ends[:, None]  # [Bp, nb]
+        pages = tables[seqs, :num_blocks].masked_fill(~needed, 0)  # [Bp, nb]; page 0 stands in, masked
+        kv = cache.index_select(0, pages.reshape(-1)).view(num, span, width_kv).float()  # [Bp, S, d_c + d_r]
+        kv_pos = torch.arange(span)
+        if not bool(kv.sum().isfinite()):
+            kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
+        q_pos = starts[:, None] + torch.arange(width)  # [Bp, Lq] absolute position of each query row
+        allowed = (kv_pos <= q_pos[..., None]) & (kv_pos < ends[:, None, None])  # [Bp, Lq, S]
+        qn = _pad(q_nope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dn]
+        q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [Bp*Lq, H, d_c]
+        qr = _pad(q_rope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dr]
+        q = torch.cat([q_lat, qr], dim=-1).view(num, width * heads, width_kv)  # [Bp, Lq*H, d_c + d_r]
+        scores = (q @ kv.transpose(1, 2)).mul_(layer.scale).view(num, width, heads, span)
+        scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
+        o_lat = (scores.softmax(dim=-1).view(num, width * heads, span) @ kv)[..., :d_c]  # [Bp, Lq*H, d_c]
+        o = torch.bmm(o_lat.reshape(num * width, heads, d_c).transpose(0, 1), w_uv.transpose(1, 2))  # [H, Bp*Lq, Dv]
+        out.index_copy_(0, src, o.transpose(0, 1).index_select(0, dst).to(out.dtype))
