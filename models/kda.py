@@ -118,6 +118,22 @@ class KDALayer(nn.Module):
         q, k = l2norm(qkv[:, :, :2]).unbind(2)  # q and k normalised in one go
         return q, k, qkv[:, :, 2], ext
 
+    def decode_conv(self, mixed: torch.Tensor, tails: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`short_conv` of one new token per sequence, with conv tails in head-major layout (the
+        page pool's): tails [B, H, 3 (q, k, v), kernel-1, dk], mixed [B, 3*qkv].
+        Returns (q, k, v [B, H, dk] fp32, q and k L2-normalised; new tails [B, H, 3, kernel-1, dk],
+        a view). Same sums as `short_conv` (tests compare the engine with the plain model)."""
+        bsz, h, dk = mixed.shape[0], self.num_heads, self.head_dim
+        new = mixed.view(bsz, 3, h, 1, dk).transpose(1, 2)  # [B, H, 3, 1, dk]
+        ext = torch.cat([tails.to(mixed.dtype), new], dim=3)  # [B, H, 3, K, dk]
+        taps = fused_weight(self, "head_major_taps", [self.q_conv1d.weight, self.k_conv1d.weight,
+                                                      self.v_conv1d.weight],
+                            lambda: self.conv_weight.view(3, h, dk, self.kernel).permute(1, 0, 3, 2).contiguous())
+        qkv = F.silu((ext * taps).sum(dim=3)).float()  # [B, H, 3, dk]
+        q, k = l2norm(qkv[:, :, :2]).unbind(2)
+        return q, k, qkv[:, :, 2], ext[:, :, :, 1:]
+
     def output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Gated per-head norm + o_proj. core: [N, H, dv] mixer output, gate: [N, H, dv] from
         `project` -> [N, D] in gate's dtype."""

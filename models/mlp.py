@@ -85,12 +85,13 @@ class Router(nn.Module):
         """x: [N, D] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
-        grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)  # [N, G, E/G]
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
-        kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, kept_groups, 1.0).bool()
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
-        ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        if self.topk_group < self.num_groups:  # group-limited routing: experts of the best groups only
+            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)  # [N, G, E/G]
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
+            kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, False)  # [N, G]
+            choice = grouped.masked_fill(dropped[:, :, None], float("-inf")).view(-1, self.num_experts)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

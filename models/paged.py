@@ -123,7 +123,8 @@ class PagedMixer:
         batch = step.batch
         offsets = batch.offsets
         self.decode, self.prefill = step.decode_seqs, step.prefill_seqs
-        if len(self.decode) == batch.num_tokens:  # a pure decode step: every row, no gathers needed
+        self.pure_decode = len(self.decode) == batch.num_tokens  # every row decodes: no gathers needed
+        if self.pure_decode:
             self.decode_rows = self.decode_index = slice(None)
         else:
             self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long)  # [Bd]
@@ -155,17 +156,20 @@ class PagedMixer:
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
         state, conv = self.caches.kda_state[index], self.caches.kda_conv[index]
         pages = self.step.state_pages[index]  # [B]
-        batch = self.step.batch
         mixed, g, beta, gate = layer.project(x)
-        core = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=x.device)
+        if self.pure_decode:  # the decode output is the whole core
+            pages_d, mixed_d, g_d, beta_d, core = pages, mixed, g, beta, None
+        else:
+            rows = self.decode_rows
+            pages_d, mixed_d, g_d, beta_d = pages[self.decode_index], mixed[rows], g[rows], beta[rows]
+            core = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=x.device)
         if self.decode:
-            rows, dec_pages = self.decode_rows, pages[self.decode_index]
-            # index_select / index_copy_ rather than conv[pages] (= ...): same gathers, cheaper on CPU.
-            tails = _tails_to_layer(conv.index_select(0, dec_pages))  # [Bd, K-1, 3*qkv]
-            q, k, v, ext = layer.short_conv(mixed[rows, None], tails)
-            core[rows] = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[rows], beta[rows], state, dec_pages,
-                                         impl=self.step.impl, check=self.step.check)
-            conv.index_copy_(0, dec_pages, _tails_to_pool(ext[:, 1:], layer.num_heads).to(conv.dtype))
+            q, k, v, tails = layer.decode_conv(mixed_d, conv.index_select(0, pages_d))
+            out = kda_decode_step(q, k, v, g_d, beta_d, state, pages_d, impl=self.step.impl, check=self.step.check)
+            conv.index_copy_(0, pages_d, tails.to(conv.dtype))
+            if core is None:
+                return layer.output(out, gate)
+            core[self.decode_rows] = out
         for group in self.prefill_groups:
             self._kda_prefill(layer, group, mixed, g, beta, state, conv, pages, core)
         return layer.output(core, gate)
