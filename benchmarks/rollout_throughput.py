@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--config", default="configs/model/tiny.yaml")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds; each side's fastest run counts")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds; each side's fastest run counts")
     p.add_argument("--skip-hf", action="store_true", help="time only our engine")
     args = p.parse_args(argv)
 

@@ -110,7 +110,8 @@ class MoE(nn.Module):
         """x: [N, D] -> [N, D]."""
         weights, ids = self.gate(x)
         experts, shared = self.experts, self.shared_experts
-        if use_fused(x) and shared is not None and experts.runs_dense(ids.shape[1]):
+        if (use_fused(x) and shared is not None and experts.runs_dense(ids.shape[1])
+                and shared.gate_proj.weight.shape[0] % experts.w1.shape[1] == 0):
             return self._fused_dense(x, weights, ids)
         out = experts(x, weights, ids)
         if self.shared_experts is not None:
@@ -118,21 +119,23 @@ class MoE(nn.Module):
         return out
 
     def _fused_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Inference form of the dense all-experts path plus the shared experts: one matmul for
-        every gate|up projection, one for every down projection (the down matmul sums the routed
-        and shared outputs). Same math as `Experts.forward` + `shared_experts`, fewer ops."""
+        """Inference form of the dense all-experts path plus the shared experts, with the shared
+        intermediate (num_shared * I channels) run as `num_shared` extra experts of routing weight 1
+        (SwiGLU is per channel and the down projection sums channels, so the split is exact):
+        one matmul for every gate|up projection, one for every down projection."""
         experts, shared = self.experts, self.shared_experts
         num_experts, inter, dim = experts.w1.shape
-        shared_inter, num_tokens = shared.gate_proj.weight.shape[0], x.shape[0]
+        num_shared = shared.gate_proj.weight.shape[0] // inter
+        total, num_tokens = num_experts + num_shared, x.shape[0]
         sources = [experts.w1, experts.w3, experts.w2, shared.gate_proj.weight, shared.up_proj.weight,
                    shared.down_proj.weight]
         w_in = fused_weight(self, "in", sources, lambda: torch.cat(
-            [experts.w1.reshape(-1, dim), experts.w3.reshape(-1, dim), shared.gate_proj.weight, shared.up_proj.weight]))
-        gate, up, s_gate, s_up = F.linear(x, w_in).split([num_experts * inter] * 2 + [shared_inter] * 2, dim=-1)
-        dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, ids, weights)  # [N, E] routing weights, zero for unchosen experts
-        routed = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
-        hidden = torch.cat([routed.view(num_tokens, -1), F.silu(s_gate) * s_up], dim=-1)  # [N, E*I + Is]
+            [experts.w1.reshape(-1, dim), shared.gate_proj.weight, experts.w3.reshape(-1, dim), shared.up_proj.weight]))
         w_out = fused_weight(self, "out", sources, lambda: torch.cat(
-            [experts.w2.permute(1, 0, 2).reshape(dim, -1), shared.down_proj.weight], dim=1))  # [D, E*I + Is]
-        return F.linear(hidden, w_out)
+            [experts.w2.permute(1, 0, 2).reshape(dim, -1), shared.down_proj.weight], dim=1))  # [D, (E + S) * I]
+        gate, up = F.linear(x, w_in).chunk(2, dim=-1)  # [N, (E + S) * I] each
+        dense = torch.zeros(num_tokens, total, dtype=weights.dtype, device=x.device)
+        dense[:, num_experts:] = 1.0  # the shared experts
+        dense.scatter_(1, ids, weights)  # [N, E + S] routing weights, zero for unchosen experts
+        hidden = (F.silu(gate) * up).view(num_tokens, total, inter) * dense[:, :, None].to(x.dtype)
+        return F.linear(hidden.view(num_tokens, -1), w_out)

@@ -35,13 +35,14 @@ def torch_prefill_form(num_seqs: int, width: int) -> tuple[str, int]:
     ("recurrent", 0) or ("chunk", chunk_len). (The Triton kernel is always chunked, 16 tokens.)
 
     Both are exact; their costs differ. The chunked reference builds a [L, L, dk] decay tensor per
-    chunk and sequence, the recurrent one pays a fixed overhead per token. Measured on CPU (ms):
-    64 seqs x 64 tokens: chunk 8 59, chunk 16 51, recurrent 10; 4 x 256: 16, 19, 29; 1 x 512:
-    34, 22, 125. So: wide batches of short prompts go token by token, narrow or long ones chunked.
+    chunk and sequence; the token loop (kernels/kda/recurrent.py) pays five ops per token.
+    Measured on CPU (ms, tiny model's 2 heads x 32): 64 seqs x 64 tokens: loop 5.9, chunk 8 16.6,
+    chunk 16 24.6; 16 x 256: 12.7, 25.6, 27.4; 4 x 256: 6.9, 10.5, 9.2; 1 x 512: 11.4, 14.5, 10.0.
+    So: the loop unless one or two long sequences.
     """
-    if num_seqs >= 16 and width <= 256:
+    if num_seqs >= 4 or width <= 256:
         return "recurrent", 0
-    return "chunk", 8 if num_seqs >= 4 else 16
+    return "chunk", 16
 
 
 @dataclass
