@@ -1,5 +1,6 @@
 """Tasks and environments: the Environment protocol and the shipped tasks, registered by name."""
 from rl.tasks.base import TASKS, Environment, StepResult, make_task, register_task
 from rl.tasks.digits import MajorityDigit
+from rl.tasks.lookup import KeyLookup
 
-__all__ = ["TASKS", "Environment", "StepResult", "make_task", "register_task", "MajorityDigit"]
+__all__ = ["TASKS", "Environment", "StepResult", "make_task", "register_task", "MajorityDigit", "KeyLookup"]
