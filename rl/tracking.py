@@ -1,0 +1,275 @@
+"""Tracking and feedback for the RL loop: metric files, wandb, progress bars, end-of-run plots.
+
+Owns everything a run writes to `run_dir` for humans to read:
+
+- `metrics.jsonl` — one JSON object per line, `{"iteration": int, <metric>: number, ...}`, one line
+  per `Tracker.log` call.
+- `phases.jsonl` — the memory timeline, one line per `Tracker.log_phase` call:
+  `{"iteration", "phase", "seconds", "bytes_moved", "memory": {<pool name>: bytes, ...}}`;
+  `memory` is what each pool held during the phase (bytes; drawn across the phase's span), its
+  keys are whatever the caller passes.
+- `wandb_id.txt` — the wandb run id, so a resumed run continues the same wandb run.
+- `reward.png`, `memory.png`, `summary.json` — written by `Tracker.finish`.
+
+Invariants: every appended line is flushed and fsynced before `log` returns, so `kill -9` loses at
+most the line being written; `read_jsonl` skips such a truncated last line. On resume after
+iteration N both .jsonl files are rewritten atomically (tmp + os.replace) keeping only records
+with iteration <= N, which also drops a truncated tail. wandb is imported only when enabled.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    wandb_mode: str = "offline"
+    """"offline" (files under run_dir, sync later), "online", or "disabled" (wandb never imported)."""
+    project: str = "hybridrl"
+    """wandb project name."""
+    run_name: str | None = None
+    """wandb display name; None lets wandb pick one."""
+    progress: bool = True
+    """Show rich progress bars for rollout and training."""
+    plots: bool = True
+    """Write reward.png and memory.png in `finish`."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"TrackingConfig.wandb_mode={self.wandb_mode!r}; allowed: {', '.join(WANDB_MODES)}")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All records of a .jsonl file ([] if missing). A last line that does not parse is the
+    write a kill interrupted and is skipped; a bad line anywhere else raises ValueError."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: corrupt record on non-blank line {i + 1}: {e}") from e
+    return records
+
+
+def _check_number(name: str, value: Any) -> int | float:
+    """The value as a JSON-ready int/float; bools, strings, tensors etc. raise TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"metric {name!r} must be a real number, got {type(value).__name__} {value!r}"
+                        " (call .item() on tensors)")
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _append_line(path: Path, record: dict) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rewrite(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Tracker:
+    """Writes one run's metrics and memory timeline (see module docstring for the files)."""
+
+    def __init__(self, run_dir: str | Path, config: TrackingConfig, run_config: dict,
+                 resume_from_iteration: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.phases_path = self.run_dir / "phases.jsonl"
+        self.console = Console()
+        # Existing files are always rewritten (drops a truncated tail); on resume, also the records
+        # of iterations after the last complete one, which the resumed run will log again.
+        for path in (self.metrics_path, self.phases_path):
+            if path.exists():
+                records = read_jsonl(path)
+                if resume_from_iteration is not None:
+                    records = [r for r in records if r["iteration"] <= resume_from_iteration]
+                _rewrite(path, records)
+        self._wandb_run = None
+        if config.wandb_mode != "disabled":
+            import wandb
+
+            id_path = self.run_dir / "wandb_id.txt"
+            if not id_path.exists():
+                id_path.write_text(uuid.uuid4().hex[:16] + "\n", encoding="utf-8")
+            self._wandb_run = wandb.init(project=config.project, name=config.run_name, dir=str(self.run_dir),
+                                         mode=config.wandb_mode, config=run_config,
+                                         id=id_path.read_text(encoding="utf-8").strip(), resume="allow")
+
+    def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        """Append `{"iteration": iteration, **metrics}` to metrics.jsonl (durable on return) and
+        send it to wandb at step=iteration. Non-numeric values raise TypeError, nothing written."""
+        clean = {name: _check_number(name, value) for name, value in metrics.items()}
+        _append_line(self.metrics_path, {"iteration": int(iteration), **clean})
+        if self._wandb_run is not None:
+            self._wandb_run.log(clean, step=int(iteration))
+
+    def log_phase(self, iteration: int, phase: str, seconds: float, bytes_moved: int,
+                  memory: dict[str, int]) -> None:
+        """Append one memory-timeline record to phases.jsonl (durable on return)."""
+        _append_line(self.phases_path, {
+            "iteration": int(iteration), "phase": str(phase),
+            "seconds": _check_number("seconds", seconds), "bytes_moved": _check_number("bytes_moved", bytes_moved),
+            "memory": {name: _check_number(name, value) for name, value in memory.items()},
+        })
+
+    def rollout_progress(self, total: int) -> RolloutProgress:
+        return RolloutProgress(total, self.console, enabled=self.config.progress)
+
+    def train_progress(self, total_steps: int) -> TrainProgress:
+        return TrainProgress(total_steps, self.console, enabled=self.config.progress)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        """Write the plots (those with data, if enabled) and summary.json, print the summary
+        table, and finish the wandb run."""
+        clean = {name: _check_number(name, value) for name, value in summary.items()}
+        if self.config.plots:
+            _plot_reward(read_jsonl(self.metrics_path), self.run_dir / "reward.png")
+            _plot_memory(read_jsonl(self.phases_path), self.run_dir / "memory.png")
+        (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
+        table = Table(title="run summary")
+        table.add_column("key")
+        table.add_column("value", justify="right")
+        for name, value in clean.items():
+            table.add_row(name, f"{value:.4g}")
+        self.console.print(table)
+        if self._wandb_run is not None:
+            self._wandb_run.summary.update(clean)
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+class _Bar:
+    """A rich Progress with one task; a context manager. Disabled bars print nothing."""
+
+    def __init__(self, description: str, total: int, console: Console, enabled: bool, *columns, **fields):
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *columns,
+                                  TimeElapsedColumn(), console=console, disable=not enabled, transient=False)
+        self._task = self._progress.add_task(description, total=total, **fields)
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+
+class RolloutProgress(_Bar):
+    """Trajectories done/total, generation throughput, KV-cache utilisation and concurrency."""
+
+    def __init__(self, total: int, console: Console, enabled: bool = True):
+        super().__init__("rollout", total, console, enabled,
+                         TextColumn("{task.fields[tokens_per_s]:.0f} tok/s"),
+                         TextColumn("KV {task.fields[kv_pct]:.0f}%"),
+                         TextColumn("conc {task.fields[concurrency]}"),
+                         tokens_per_s=0.0, kv_pct=0.0, concurrency=0)
+        self._start_s = time.monotonic()
+
+    def __enter__(self) -> RolloutProgress:
+        self._start_s = time.monotonic()
+        return super().__enter__()
+
+    def update(self, done: int, tokens: int, kv_utilization: float, concurrency: int) -> None:
+        """`done`: trajectories finished so far; `tokens`: tokens generated so far (cumulative,
+        tok/s is tokens / time since enter); `kv_utilization`: used fraction of the KV pool in [0, 1]."""
+        elapsed_s = max(time.monotonic() - self._start_s, 1e-9)
+        self._progress.update(self._task, completed=done, tokens_per_s=tokens / elapsed_s,
+                              kv_pct=100.0 * kv_utilization, concurrency=concurrency)
+
+
+class TrainProgress(_Bar):
+    """Optimizer steps done/total and the last loss."""
+
+    def __init__(self, total_steps: int, console: Console, enabled: bool = True):
+        super().__init__("train", total_steps, console, enabled, TextColumn("loss {task.fields[loss]}"), loss="-")
+
+    def advance(self, loss: float) -> None:
+        self._progress.update(self._task, advance=1, loss=f"{loss:.4g}")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_reward(records: list[dict], path: Path) -> None:
+    """reward_mean (and reward_correct_frac if logged) against iteration; skipped without data."""
+    keys = [k for k in ("reward_mean", "reward_correct_frac") if any(k in r for r in records)]
+    if "reward_mean" not in keys:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = [(r["iteration"], r[key]) for r in records if key in r]
+        ax.plot([x for x, _ in points], [y for _, y in points], marker=".", label=key)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_memory(records: list[dict], path: Path) -> None:
+    """One step line per memory key (GiB) over cumulative phase time, phases as coloured bands."""
+    if not records:
+        return
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    edges_s = [0.0]  # [num_records + 1] phase boundaries in cumulative seconds
+    for r in records:
+        edges_s.append(edges_s[-1] + r["seconds"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    phases = list(dict.fromkeys(r["phase"] for r in records))
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(phases)}
+    for r, start_s, end_s in zip(records, edges_s, edges_s[1:]):
+        ax.axvspan(start_s, end_s, color=colors[r["phase"]], alpha=0.12, linewidth=0)
+    keys = list(dict.fromkeys(k for r in records for k in r["memory"]))
+    lines = []
+    for key in keys:
+        gib = [r["memory"].get(key, float("nan")) / 2**30 for r in records]
+        lines += ax.step(edges_s, gib + gib[-1:], where="post", label=key)
+    ax.set_xlabel("seconds (cumulative over phases)")
+    ax.set_ylabel("GiB")
+    ax.grid(alpha=0.3)
+    ax.legend(handles=lines + [Patch(color=colors[p], alpha=0.3, label=p) for p in phases],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
