@@ -24,7 +24,10 @@ from rollout.engine import Engine
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
-FollowUp = Callable[[RequestOutput], "tuple[list[int], SamplingParams] | None"]
+FollowUp = Callable[[RequestOutput], "tuple[list[int], SamplingParams] | list[tuple[list[int], SamplingParams]] | None"]
+"""Called with a finished request's output; returns the next request(s) of the same trajectories
+(one (prompt, params) pair, a list of pairs or of (prompt, params, own follow-up) triples, or None),
+which go to the front of the backlog (a pair keeps this follow-up)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +107,30 @@ class Dispatcher:
         """Queue a request; `follow_up(output)` may return the next turn's (prompt, params)."""
         self.backlog.append((prompt, params, follow_up))
 
-    def run(self, on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
-        """Dispatch until the backlog, the follow-ups and the engine are all done; returns every
-        finished request's output in completion order."""
+    def adopt(self, request_id: str, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None) -> None:
+        """Count a request that is already in the engine (a resumed partial rollout) as in flight."""
+        self.in_flight[request_id] = follow_up
+        self._projected[request_id] = self._full_length_pages(prompt, params)
+
+    def clear(self) -> tuple[list[tuple[str, FollowUp | None]], list[tuple[list[int], SamplingParams, FollowUp | None]]]:
+        """Forget all work (a stopped iteration): returns ((request id, follow-up) in flight, unsent backlog)."""
+        in_flight, backlog = list(self.in_flight.items()), list(self.backlog)
+        self.in_flight.clear()
+        self._projected.clear()
+        self.backlog.clear()
+        return in_flight, backlog
+
+    def run(self, on_output: Callable[[RequestOutput], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Dispatch until the backlog, the follow-ups and the engine are all done, or until
+        `should_stop()` (checked before every step) says so, leaving the rest in flight / queued;
+        returns every finished request's output in completion order."""
         outputs = []
+        if self.auto is not None:  # count preemptions from here on (the engine may be new or reused)
+            self.auto.last_preemptions = int(self.engine.stats()["preemptions"])
         while self.backlog or self.in_flight:
+            if should_stop is not None and should_stop():
+                break
             kv_bound = False
             while self.backlog and len(self.in_flight) < self.limit:
                 if not self._room_for(self.backlog[0][0], self.backlog[0][1]):
@@ -125,8 +147,9 @@ class Dispatcher:
                 if on_output is not None:
                     on_output(out)
                 nxt = follow_up(out) if follow_up is not None else None
-                if nxt is not None:  # the next turn goes first: its prefix is hot
-                    self.backlog.appendleft((nxt[0], nxt[1], follow_up))
+                nxt = [] if nxt is None else [nxt] if isinstance(nxt, tuple) else nxt
+                for item in reversed(nxt):  # the next turns go first: their prefixes are hot
+                    self.backlog.appendleft(item if len(item) == 3 else (*item, follow_up))
             if self.auto is not None:
                 self.auto.update(self.engine.stats(), hold=kv_bound or not self.backlog)
         return outputs

@@ -84,6 +84,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
+        self.num_generated = 0
+        """Tokens sampled since the engine was built (all requests)."""
         self.peak_pages_used = 0
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -132,6 +134,10 @@ class Engine:
     def resume(self, request_id: str) -> None:
         for seq in self._request(request_id).seqs:
             self.scheduler.resume(seq)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """What the request has generated so far (finished=False while it runs or is paused)."""
+        return RequestOutput.of(self._request(request_id))
 
     def _request(self, request_id: str) -> Request:
         if request_id not in self.requests:
@@ -207,6 +213,7 @@ class Engine:
         return [c for c in children if c.holds_pages]
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        self.num_generated += 1
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.policy_version)

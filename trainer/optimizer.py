@@ -114,6 +114,13 @@ class ShardedHostAdamW:
                 offset += p.numel()
             master.grad = None
 
+    def host_bytes(self) -> int:
+        """Bytes of host memory this rank's optimizer holds: FP32 master shards, their gradients and
+        Adam's moments."""
+        tensors = [m for m in self.masters] + [m.grad for m in self.masters if m.grad is not None]
+        tensors += [v for st in self.adam.state.values() for v in st.values() if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def zero_grad(self) -> None:
         for master in self.masters:
             master.grad = None

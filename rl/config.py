@@ -1,0 +1,182 @@
+"""The run's configuration: dataclass schemas registered with Hydra's ConfigStore.
+
+`configs/config.yaml` composes one option per group (`configs/{model,task,algo,rollout,memory,
+trainer,experiment}`) onto `RunConfig`; because every group is a typed schema, a misspelt key
+(`rollout.max_new_tokns=8`) or a wrong type (`trainer.num_chunks=two`) fails at composition with
+Hydra's message naming the key, and value checks (a negative budget, an unknown loss) fail in the
+schemas' `__post_init__` when `to_run_config` builds the objects, naming the value and what was
+expected. `experiment=cpu_demo` (the default) is a `# @package _global_` file overriding groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from models.config import ModelConfig
+from rl.tracking import TrackingConfig
+from trainer.losses import LossConfig
+from trainer.optimizer import OptimizerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    name: str = "majority_digit"
+    """Registered task (rl/tasks)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task's constructor."""
+    tokenizer: str = "byte"
+    """"byte" (the tiny models' tokenizer) or a local Hugging Face tokenizer directory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    """Registered advantage estimator ("grpo", "rloo")."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group), generated with parallel sampling."""
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        from trainer.losses import lookup
+
+        lookup("advantage", self.advantage)
+        if self.group_size < 2:
+            raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (group advantages need peers)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    groups_per_iteration: int = 16
+    """New prompt groups started each iteration (each of algo.group_size trajectories)."""
+    max_new_tokens: int = 4
+    """Tokens per policy turn at most."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_concurrency: Any = "auto"
+    """Requests in flight: "auto" (the dispatcher's auto-throttling) or a positive integer."""
+    budget_tokens: int | None = None
+    """Partial rollouts: generated tokens per iteration after which unfinished trajectories are
+    paused and carried over; None = no token budget."""
+    budget_seconds: float | None = None
+    """Partial rollouts: rollout seconds per iteration; None = no time budget."""
+    partial_resume: str = "recompute"
+    """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
+    weights) or "kv" (the kept, stale KV; needs memory.release_pool_in_train=false)."""
+    max_model_len: int = 256
+    max_num_batched_tokens: int = 1024
+    kernel_impl: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"rollout.groups_per_iteration={self.groups_per_iteration} and rollout.max_new_tokens="
+                             f"{self.max_new_tokens} must be >= 1")
+        if not (self.max_concurrency == "auto" or (isinstance(self.max_concurrency, int)
+                                                   and not isinstance(self.max_concurrency, bool)
+                                                   and self.max_concurrency >= 1)):
+            raise ValueError(f"rollout.max_concurrency={self.max_concurrency!r}, expected 'auto' or an integer >= 1")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError(f"rollout.budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
+        if self.budget_seconds is not None and not self.budget_seconds > 0:
+            raise ValueError(f"rollout.budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
+        if self.partial_resume not in ("recompute", "kv"):
+            raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
+
+    @property
+    def concurrency(self) -> int | None:
+        return None if self.max_concurrency == "auto" else int(self.max_concurrency)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    pool_mb: int = 16
+    """Device page pool of the rollout engine, MiB."""
+    release_pool_in_train: bool = True
+    """Release the engine's pool while training (colocated: training gets the memory back)."""
+
+    def __post_init__(self) -> None:
+        if self.pool_mb < 1:
+            raise ValueError(f"memory.pool_mb={self.pool_mb}, expected >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSchema:
+    num_chunks: int = 2
+    num_grad_slots: int = 2
+    max_bad_steps: int = 3
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch; None = the whole batch at once."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1:
+            raise ValueError(f"trainer.num_chunks={self.num_chunks}, expected >= 1")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    name: str = "cpu_demo"
+    iterations: int = 10
+    """RL iterations (rollout + train each)."""
+    init_std: float = 0.1
+    """Random init of the policy when no checkpoint is given."""
+    checkpoint: str | None = None
+    """A Hugging Face checkpoint directory to start from instead of a random init."""
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
+        if not self.init_std > 0:
+            raise ValueError(f"experiment.init_std={self.init_std}, expected > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = MISSING
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    trainer: TrainSchema = field(default_factory=TrainSchema)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 0
+    run_dir: str = "runs/cpu_demo"
+    """Where checkpoints, metrics, plots and wandb files go (also Hydra's run dir)."""
+    resume: bool = False
+    """Continue from the last complete iteration in run_dir."""
+
+    def __post_init__(self) -> None:
+        if self.rollout.partial_resume == "kv" and self.memory.release_pool_in_train:
+            raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV in the device pool, but "
+                             "memory.release_pool_in_train=true frees it for training; set one of them differently "
+                             "(the host KV pool that lifts this lands with the memory phases)")
+
+
+def _writable(node: Any) -> None:
+    """Clear the read-only flag frozen dataclasses put on their nodes (composition must write
+    into them; the frozen objects are built afterwards by `to_run_config`)."""
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig) and not node._is_missing():
+        for key in node.keys():
+            _writable(node._get_node(key))
+    elif isinstance(node, ListConfig) and not node._is_missing():
+        for i in range(len(node)):
+            _writable(node._get_node(i))
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore as `base_config` (the first entry of configs/config.yaml)."""
+    node = OmegaConf.structured(RunConfig)
+    _writable(node)
+    ConfigStore.instance().store(name="base_config", node=node)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """The composed Hydra config as validated dataclasses (value errors name the key)."""
+    return OmegaConf.to_object(cfg)

@@ -1,0 +1,164 @@
+"""The phase orchestrator: the one RL loop, explicit calls in order (SPEC §5.4).
+
+Per iteration:
+    wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT -> engine sleep
+    -> TRAIN (reference logprobs, policy update) -> offload training state -> checkpoint -> log.
+Every transition goes through `Phases.run`, which records seconds, bytes moved and the memory
+held by each tier (engine pool on device, host pool, training state on device / host / disk) in
+the tracker's memory timeline. The memory phases (NVMe spill, host KV pool, reference streaming)
+plug into `_offload_train_state` and `Phases.memory` — the hooks are here, the movers come later.
+A checkpoint is written atomically after each iteration; resume starts after the last one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.model import HybridLM
+from rl.rollout import RolloutDriver
+from rl.tracking import Tracker
+from rl.update import PackedBatch, policy_update, reference_logprobs
+from rollout.engine import Engine
+from trainer.losses import LossConfig
+from trainer.step import Trainer
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Phases:
+    """Runs one phase transition, timing it and logging the memory tiers afterwards."""
+
+    def __init__(self, tracker: Tracker, engine: Engine, policy: HybridLM, trainer: Trainer) -> None:
+        self.tracker, self.engine, self.policy, self.trainer = tracker, engine, policy, trainer
+        self.seconds: dict[str, float] = {}
+
+    def memory(self) -> dict[str, int]:
+        pool = 0 if self.engine.pool.is_released else self.engine.pool.num_pages * self.engine.layout.page_bytes
+        weights = _tensor_bytes(self.policy.parameters()) + _tensor_bytes(self.engine.model.parameters())
+        return {"device_pool": pool, "host_pool": 0, "train_device": weights,
+                "train_host": self.trainer.optimizer.host_bytes(), "train_disk": 0}
+
+    def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.tracker.log_phase(iteration, name, seconds, bytes_moved, self.memory())
+        return result
+
+
+@dataclass
+class LoopParts:
+    """Everything the loop touches, built by rl/train.py."""
+
+    policy: HybridLM
+    engine: Engine
+    trainer: Trainer
+    driver: RolloutDriver
+    tracker: Tracker
+    loss: LossConfig
+    advantage: str
+    num_chunks: int
+    micro_batch_tokens: int | None
+    release_pool: bool
+    ref_model: HybridLM | None
+    checkpoint_dir: Path
+
+
+def run_loop(parts: LoopParts, start: int, iterations: int,
+             fault: Callable[[int, str], None] = lambda iteration, phase: None) -> list[dict[str, float]]:
+    """Iterations [start, iterations); returns each iteration's metrics. `fault(iteration, phase)`
+    is called as each phase starts (tests inject a crash there)."""
+    p, history = parts, []
+    phases = Phases(p.tracker, p.engine, p.policy, p.trainer)
+    weight_bytes = _tensor_bytes(p.policy.parameters())
+    for it in range(start, iterations):
+        if p.engine.pool.is_released:
+            fault(it, "wake")
+            phases.run(it, "wake", p.engine.wake)
+        fault(it, "load_weights")
+        phases.run(it, "load_weights", lambda: p.engine.load_weights(p.policy.state_dict(), version=it + 1),
+                   bytes_moved=weight_bytes)
+        fault(it, "rollout")
+        with p.tracker.rollout_progress(total=p.driver.groups_per_iteration * p.driver.group_size) as bar:
+            rollout = phases.run(it, "rollout", lambda: p.driver.run_iteration(progress=bar))
+        if p.release_pool:
+            fault(it, "sleep")
+            pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
+            phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)
+        groups = p.driver.take_finished_groups()
+        fault(it, "train")
+        train = phases.run(it, "train", lambda: _train(p, groups)) if groups else {"train_skipped": 1.0}
+        fault(it, "offload")
+        phases.run(it, "offload", _offload_train_state)
+        fault(it, "checkpoint")
+        phases.run(it, "checkpoint", lambda: save_iteration(p, it))
+        rewards = [t.reward for g in groups for t in g]
+        metrics = {**rollout, **train, "iteration": float(it), "groups_trained": float(len(groups)),
+                   "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+                   "reward_correct_frac": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else float("nan"),
+                   **{f"seconds/{k}": v for k, v in phases.seconds.items()}}
+        metrics.pop("iteration")
+        p.tracker.log(it, metrics)
+        for error in p.driver.errors:
+            p.tracker.console.print(f"[yellow]dropped[/yellow] {error}")
+        p.driver.errors.clear()
+        phases.seconds.clear()
+        history.append(metrics)
+    return history
+
+
+def _train(p: LoopParts, groups) -> dict[str, float]:
+    batch = PackedBatch(groups, p.advantage)
+    ref = reference_logprobs(p.ref_model, batch, p.num_chunks) if p.ref_model is not None else None
+    with p.tracker.train_progress(total_steps=1) as bar:
+        metrics = policy_update(p.trainer, batch, p.loss, p.micro_batch_tokens, ref)
+        bar.advance(metrics["loss"])
+    return metrics
+
+
+def _offload_train_state() -> None:
+    """Hook: training state leaves the device here (NVMe spill, host KV pool: the memory phases).
+    On one CPU process the optimizer already lives on the host and nothing moves."""
+
+
+def save_iteration(p: LoopParts, iteration: int) -> Path:
+    """Write iteration `iteration`'s checkpoint (trainer, rollout state, RNG) atomically: into a
+    temporary directory renamed into place, then `latest` updated; older ones removed."""
+    final = p.checkpoint_dir / f"iter_{iteration:06d}"
+    tmp = p.checkpoint_dir / f".tmp_iter_{iteration:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    p.trainer.save(tmp)
+    (tmp / "driver.json").write_text(json.dumps(p.driver.state_dict()))
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = p.checkpoint_dir / "latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, p.checkpoint_dir / "latest")
+    for old in p.checkpoint_dir.glob("iter_*"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest(p: LoopParts) -> int | None:
+    """Restore the last complete iteration's checkpoint; returns its iteration (None if none)."""
+    marker = p.checkpoint_dir / "latest"
+    if not marker.exists():
+        return None
+    path = p.checkpoint_dir / marker.read_text().strip()
+    p.trainer.load(path)
+    p.driver.load_state_dict(json.loads((path / "driver.json").read_text()))
+    torch.set_rng_state(torch.load(path / "rng.pt")["torch"])
+    return json.loads((path / "iteration.json").read_text())["iteration"]

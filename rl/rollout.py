@@ -1,0 +1,259 @@
+"""The rollout phase: trajectories of environment episodes generated through the engine.
+
+A *group* is `group_size` trajectories of one episode seed (the same first prompt): its first
+turn is one engine request with n = group_size (prefilled once, forked), later turns are one
+request per trajectory whose prompt is the whole conversation so far (turn boundaries marked).
+Every generated token keeps its behaviour logprob and the policy version that sampled it.
+
+Partial rollouts: when the iteration's budget (generated tokens and/or seconds) runs out, the
+unfinished trajectories stop where they are and carry over to the next iteration, keeping the
+tokens they have. They continue either by recompute (a new request whose prompt includes the
+partial answer, computed under the new weights) or, with `partial_resume="kv"`, by resuming the
+paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
+An environment that raises drops that trajectory (counted, logged with its id); the run goes on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from rl.tasks.base import Environment, make_task
+from rollout.dispatcher import Dispatcher, ThrottleConfig
+from rollout.engine import Engine
+from rollout.request import RequestOutput, SampleOutput
+from rollout.sampling import SamplingParams
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 62-bit seed from integers (SplitMix64-style), independent of PYTHONHASHSEED."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x >> 2
+
+
+@dataclass
+class Trajectory:
+    traj_id: str
+    group_id: int
+    member: int
+    tokens: list[int]
+    """The whole conversation: prompt, answers, observations (and a partial answer while paused)."""
+    policy: list[bool]
+    """Per token: sampled by the policy (trained on) or given (prompt, observation)."""
+    logprobs: list[float]
+    """Per token: behaviour logprob of policy tokens, 0.0 elsewhere."""
+    versions: list[int]
+    """Per token: policy version that sampled it, -1 elsewhere."""
+    turn_start: int
+    """Index in `tokens` where the current turn's answer begins."""
+    answers: list[str] = field(default_factory=list)
+    """Texts of the finished turns' answers (replayed into a fresh environment on resume)."""
+    turn_boundaries: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    request_id: str | None = None
+    """The paused engine request holding this trajectory's KV (partial_resume="kv")."""
+
+    @property
+    def num_generated_in_turn(self) -> int:
+        return len(self.tokens) - self.turn_start
+
+
+class RolloutDriver:
+    """Runs iterations of trajectory generation against one engine; its state (carried-over and
+    finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
+
+    def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, *, group_size: int,
+                 groups_per_iteration: int, max_new_tokens: int, sampling: dict, seed: int,
+                 throttle: ThrottleConfig, budget_tokens: int | None = None, budget_seconds: float | None = None,
+                 partial_resume: str = "recompute") -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.task_name, self.task_params = task_name, dict(task_params)
+        try:
+            make_task(task_name, **self.task_params)  # fail now, with the task's own message
+        except TypeError as err:
+            raise ValueError(f"task {task_name!r} rejects params {self.task_params}: {err}") from None
+        self.group_size, self.groups_per_iteration = group_size, groups_per_iteration
+        self.max_new_tokens, self.sampling, self.seed = max_new_tokens, dict(sampling), seed
+        self.throttle, self.partial_resume = throttle, partial_resume
+        self.budget_tokens, self.budget_seconds = budget_tokens, budget_seconds
+        self.next_group = 0
+        self.carry: list[Trajectory] = []  # unfinished, carried over to the next iteration
+        self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members
+        self.group_sizes: dict[int, int] = {}  # group -> members not dropped
+        self.envs: dict[str, Environment] = {}
+        self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
+        self.errors: list[str] = []
+
+    # ---- environments and requests ---------------------------------------------------------------------
+    def _env(self, traj: Trajectory) -> Environment:
+        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume)."""
+        env = self.envs.get(traj.traj_id)
+        if env is None:
+            env = make_task(self.task_name, **self.task_params)
+            env.reset(mix_seed(self.seed, traj.group_id))
+            for answer in traj.answers:
+                env.step(answer)
+            self.envs[traj.traj_id] = env
+        return env
+
+    def _request(self, trajs: list[Trajectory], stats: dict):
+        """(prompt, params, follow-up) continuing `trajs` (one group's first turn, or one trajectory)."""
+        traj = trajs[0]
+        remaining = max(1, self.max_new_tokens - traj.num_generated_in_turn)
+        seed = mix_seed(self.seed, traj.group_id, traj.member, len(traj.answers), traj.num_generated_in_turn)
+        params = SamplingParams(n=len(trajs), max_new_tokens=remaining, seed=seed, **self.sampling)
+
+        def follow_up(out: RequestOutput):
+            nxt = []
+            for t, sample in zip(trajs, out.samples):
+                t.request_id = None
+                self._append(t, sample, stats)
+                if self._end_turn(t, stats):
+                    nxt.append(self._request([t], stats))
+            return nxt
+
+        follow_up.trajs = trajs  # who the request continues (read when an iteration stops early)
+        return list(traj.tokens), params, follow_up
+
+    @staticmethod
+    def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
+        traj.tokens += sample.tokens
+        traj.policy += [True] * len(sample.tokens)
+        traj.logprobs += sample.logprobs
+        traj.versions += sample.versions
+        stats["tokens"] += len(sample.tokens)
+
+    def _end_turn(self, traj: Trajectory, stats: dict) -> bool:
+        """Score the finished turn; True when another turn follows."""
+        eos = self.engine.model.config.eos_token_id
+        answer = self.tokenizer.decode([t for t in traj.tokens[traj.turn_start:] if t != eos])
+        try:
+            env = self._env(traj)
+            result = env.step(answer)
+        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
+            self._drop(traj, err, stats)
+            return False
+        traj.answers.append(answer)
+        traj.reward += float(result.reward)
+        if result.done or len(traj.answers) >= env.max_turns:
+            self._finish(traj, stats)
+            return False
+        obs = self.tokenizer.encode(result.observation, add_bos=False)
+        traj.tokens += obs
+        traj.policy += [False] * len(obs)
+        traj.logprobs += [0.0] * len(obs)
+        traj.versions += [-1] * len(obs)
+        traj.turn_boundaries.append(len(traj.tokens))
+        traj.turn_start = len(traj.tokens)
+        return True
+
+    def _finish(self, traj: Trajectory, stats: dict) -> None:
+        traj.done = True
+        self.envs.pop(traj.traj_id, None)
+        self.waiting.setdefault(traj.group_id, []).append(traj)
+        stats["finished"] += 1
+
+    def _drop(self, traj: Trajectory, err: Exception, stats: dict) -> None:
+        self.envs.pop(traj.traj_id, None)
+        self.group_sizes[traj.group_id] -= 1
+        stats["dropped"] += 1
+        self.errors.append(f"trajectory {traj.traj_id}: {type(err).__name__}: {err}")
+
+    # ---- one iteration ---------------------------------------------------------------------------------
+    def run_iteration(self, progress=None) -> dict[str, float]:
+        """Continue carried-over trajectories, start this iteration's new groups, stop at the budget.
+        Returns rollout metrics; finished groups are then collected with `take_finished_groups`."""
+        dispatcher = Dispatcher(self.engine, self.throttle)
+        if dispatcher.auto is not None and self.auto_limit is not None:
+            dispatcher.auto.limit = self.auto_limit
+        stats = {"tokens": 0, "dropped": 0, "finished": 0}
+        errors_before = len(self.errors)
+        carry, self.carry = self.carry, []
+        paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
+        for traj in carry:
+            if traj.request_id is not None and traj.request_id in self.engine.requests:
+                paused.setdefault(traj.request_id, []).append(traj)
+            else:
+                traj.request_id = None
+                dispatcher.add(*self._request([traj], stats))
+        for request_id, trajs in paused.items():
+            self.engine.resume(request_id)
+            dispatcher.adopt(request_id, *self._request(trajs, stats))
+        for _ in range(self.groups_per_iteration):
+            group, self.next_group = self.next_group, self.next_group + 1
+            trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0) for m in range(self.group_size)]
+            self.group_sizes[group] = self.group_size
+            try:
+                text = make_task(self.task_name, **self.task_params).reset(mix_seed(self.seed, group))
+            except Exception as err:  # noqa: BLE001
+                for t in trajs:
+                    self._drop(t, err, stats)
+                continue
+            prompt = self.tokenizer.encode(text)
+            for t in trajs:
+                t.tokens, t.policy = list(prompt), [False] * len(prompt)
+                t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
+            dispatcher.add(*self._request(trajs, stats))
+        t0, generated_before = time.perf_counter(), self.engine.num_generated
+
+        def should_stop() -> bool:
+            generated = self.engine.num_generated - generated_before  # sampled so far, finished or not
+            if progress is not None:
+                signals = self.engine.stats()
+                progress.update(stats["finished"], generated, signals["pool_utilization"], dispatcher.limit)
+            return ((self.budget_tokens is not None and generated >= self.budget_tokens)
+                    or (self.budget_seconds is not None and time.perf_counter() - t0 >= self.budget_seconds))
+
+        dispatcher.run(should_stop=should_stop)
+        should_stop()  # the progress bar's final state
+        self._stop_unfinished(dispatcher, stats)
+        if dispatcher.auto is not None:
+            self.auto_limit = dispatcher.auto.limit
+        seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
+        return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
+                "rollout_tok_s": generated / max(seconds, 1e-9),
+                "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
+                "env_errors": float(len(self.errors) - errors_before)}
+
+    def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
+        """Budget reached: everything not finished becomes carry-over (paused with its KV, or with
+        its partial answer appended for recompute)."""
+        in_flight, backlog = dispatcher.clear()
+        for request_id, follow_up in in_flight:
+            out, trajs = self.engine.output(request_id), follow_up.trajs
+            if self.partial_resume == "kv":
+                self.engine.pause(request_id)
+                for t in trajs:
+                    t.request_id = request_id
+            else:
+                self.engine.abort(request_id)
+                for t, sample in zip(trajs, out.samples):
+                    self._append(t, sample, stats)
+            self.carry += trajs
+        for _, _, follow_up in backlog:
+            self.carry += follow_up.trajs
+
+    def take_finished_groups(self) -> list[list[Trajectory]]:
+        """Groups all of whose (not dropped) members are done, in group order; removed from the driver."""
+        ready = sorted(g for g, members in self.waiting.items() if len(members) == self.group_sizes[g])
+        groups = [sorted(self.waiting.pop(g), key=lambda t: t.member) for g in ready]
+        for g in ready:
+            del self.group_sizes[g]
+        return [g for g in groups if g]
+
+    # ---- checkpoint state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"next_group": self.next_group, "auto_limit": self.auto_limit,
+                "carry": [asdict(t) | {"request_id": None} for t in self.carry],
+                "waiting": {str(g): [asdict(t) for t in ts] for g, ts in self.waiting.items()},
+                "group_sizes": {str(g): n for g, n in self.group_sizes.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_group, self.auto_limit = state["next_group"], state["auto_limit"]
+        self.carry = [Trajectory(**t) for t in state["carry"]]
+        self.waiting = {int(g): [Trajectory(**t) for t in ts] for g, ts in state["waiting"].items()}
+        self.group_sizes = {int(g): n for g, n in state["group_sizes"].items()}
+        self.envs = {}

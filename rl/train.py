@@ -1,0 +1,133 @@
+"""Entry point of an RL run: `python -m rl.train [group=option ...] [key=value ...] [resume=true]`.
+
+Composes `configs/config.yaml` (default `experiment=cpu_demo`; `--help` lists the groups), builds
+the policy, the rollout engine (its own copy of the weights, refreshed every iteration), the
+trainer, the rollout driver and the tracker, then runs rl/orchestrator.py's loop. A run directory
+holds one run: starting again in a used one without `resume=true` is refused, so nothing is
+overwritten by accident.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from models.checkpoint import load_weights
+from models.model import HybridLM
+from models.tokenizer import load_tokenizer
+from rl.config import RunConfig, register_configs, to_run_config
+from rl.orchestrator import LoopParts, load_latest, run_loop
+from rl.rollout import RolloutDriver
+from rl.tracking import Tracker
+from rollout.dispatcher import ThrottleConfig
+from rollout.engine import Engine, EngineConfig
+from trainer.step import Trainer, TrainerConfig
+
+register_configs()
+
+
+def initial_policy(cfg: RunConfig) -> HybridLM:
+    model = HybridLM(cfg.model)
+    if cfg.experiment.checkpoint is not None:
+        load_weights(model, cfg.experiment.checkpoint, assign=False)
+        return model
+    return model.init_weights(seed=cfg.seed, std=cfg.experiment.init_std)
+
+
+def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
+    torch.manual_seed(cfg.seed)
+    policy = initial_policy(cfg)
+    engine_model = HybridLM(cfg.model)
+    engine_model.load_state_dict(policy.state_dict())
+    engine = Engine(engine_model, EngineConfig(
+        max_model_len=cfg.rollout.max_model_len, pool_bytes=cfg.memory.pool_mb << 20,
+        max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
+        seed=cfg.seed, show_progress=False))
+    t = cfg.trainer
+    trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
+                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps))
+    r = cfg.rollout
+    driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params,
+                           group_size=cfg.algo.group_size, groups_per_iteration=r.groups_per_iteration,
+                           max_new_tokens=r.max_new_tokens,
+                           sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+                           seed=cfg.seed, throttle=ThrottleConfig(max_concurrency=r.concurrency),
+                           budget_tokens=r.budget_tokens, budget_seconds=r.budget_seconds,
+                           partial_resume=r.partial_resume)
+    run_dir = Path(cfg.run_dir)
+    tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
+                      resume_from_iteration=resume_from)
+    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None
+    return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
+                     loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
+                     micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
+                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints")
+
+
+def _last_complete(run_dir: Path) -> int | None:
+    marker = run_dir / "checkpoints" / "latest"
+    if not marker.exists():
+        return None
+    return json.loads((marker.parent / marker.read_text().strip() / "iteration.json").read_text())["iteration"]
+
+
+def _fault_from_env():
+    """HYBRIDRL_FAULT="<phase>:<iteration>" kills this process with SIGKILL as that phase starts
+    (the resume test's crash; never set in normal runs)."""
+    spec = os.environ.get("HYBRIDRL_FAULT")
+    if not spec:
+        return lambda iteration, phase: None
+    phase_name, at = spec.split(":")
+
+    def fault(iteration: int, phase: str) -> None:
+        if phase == phase_name and iteration == int(at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
+def run(cfg: RunConfig) -> list[dict[str, float]]:
+    """One run (or its continuation with cfg.resume); returns the metrics of the iterations run."""
+    run_dir = Path(cfg.run_dir)
+    last = _last_complete(run_dir)
+    if last is not None and not cfg.resume:
+        raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last complete iteration {last}); "
+                              f"pass resume=true to continue it or choose another run_dir")
+    parts = build(cfg, resume_from=last if cfg.resume else None)
+    start = 0
+    if cfg.resume and last is not None:
+        start = load_latest(parts) + 1
+        parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}")
+    history = run_loop(parts, start, cfg.experiment.iterations, fault=_fault_from_env())
+    summary = _summary(run_dir)
+    parts.tracker.finish(summary)
+    return history
+
+
+def _summary(run_dir: Path) -> dict[str, float]:
+    from rl.tracking import read_jsonl
+
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("reward_mean") == r.get("reward_mean")]
+    if not records:
+        return {}
+    last3 = records[-3:]
+    return {"iterations": float(len(records)), "reward_first": records[0]["reward_mean"],
+            "reward_last3_mean": sum(r["reward_mean"] for r in last3) / len(last3),
+            "correct_first": records[0].get("reward_correct_frac", float("nan")),
+            "correct_last3_mean": sum(r.get("reward_correct_frac", 0.0) for r in last3) / len(last3),
+            "rollout_tok_s_mean": sum(r.get("rollout_tok_s", 0.0) for r in records) / len(records)}
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run(to_run_config(cfg))
+
+
+if __name__ == "__main__":
+    main()

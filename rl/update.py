@@ -1,0 +1,87 @@
+"""The train phase's data: finished trajectory groups -> one packed batch -> one policy update.
+
+Per group, advantages come from the registered estimator over the members' rewards (GRPO /
+RLOO; a group shrunk by dropped trajectories uses its actual size). Each trajectory becomes one
+packed sequence (inputs tokens[:-1], targets tokens[1:]); only policy tokens are trained on.
+Logprobs: `behaviour` = what the engine sampled with (per token, with its policy version);
+`old` = the policy at the start of this update (one optimizer step per iteration, so the
+current logprobs detached); the truncated IS weight exp(old - behaviour) (capped) corrects tokens
+sampled by older versions (carried-over partial rollouts, stale KV) and rollout/train numerics.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from models.model import HybridLM
+from rl.rollout import Trajectory
+from trainer.chunks import ChunkedModel
+from trainer.losses import LossConfig, lookup, rl_loss
+from trainer.step import Trainer
+
+
+class PackedBatch:
+    def __init__(self, groups: Sequence[Sequence[Trajectory]], advantage: str) -> None:
+        estimator = lookup("advantage", advantage)
+        trajs = [t for g in groups for t in g]
+        advs = torch.cat([estimator(torch.tensor([t.reward for t in g], dtype=torch.float32), len(g))
+                          for g in groups]) if groups else torch.zeros(0)
+        self.trajectories = trajs
+        self.seq_lens = [len(t.tokens) - 1 for t in trajs]
+        self.token_ids = torch.tensor([x for t in trajs for x in t.tokens[:-1]], dtype=torch.long)
+        self.targets = torch.tensor([x for t in trajs for x in t.tokens[1:]], dtype=torch.long)
+        self.mask = torch.tensor([x for t in trajs for x in t.policy[1:]], dtype=torch.bool)
+        self.behaviour = torch.tensor([x for t in trajs for x in t.logprobs[1:]], dtype=torch.float32)
+        self.versions = torch.tensor([x for t in trajs for x in t.versions[1:]], dtype=torch.long)
+        self.seq_of_row = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(self.seq_lens, dtype=torch.long))
+        self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.trajectories)
+
+
+def reference_logprobs(ref_model: HybridLM, batch: PackedBatch, num_chunks: int) -> torch.Tensor:
+    """log p_ref(target) for every packed row (the frozen reference policy, for the KL term)."""
+    return ChunkedModel(ref_model, num_chunks).forward_logprobs(batch.token_ids, batch.seq_lens, batch.targets)
+
+
+def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig, micro_batch_tokens: int | None,
+                  ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+    """One optimizer step on the batch; returns the trainer's and the loss's metrics."""
+    total_valid = max(1, int(batch.mask.sum()))
+    total_seqs = batch.num_sequences
+    token_level = loss_config.aggregation == "token-mean"
+    loss_metrics: dict[str, float] = {}
+
+    def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # rl_loss takes [B, T]; a micro-batch's packed rows are one "sequence" for token-mean,
+        # and are split per trajectory (padded) for the per-sequence aggregations.
+        seqs = batch.seq_of_row[rows]
+        uniq, local = torch.unique_consecutive(seqs, return_inverse=True)
+        lens = torch.bincount(local)
+        starts = torch.cumsum(lens, 0) - lens
+        cols = torch.arange(len(rows)) - starts[local]
+        shape = (len(uniq), int(lens.max()))
+
+        def pad(x: torch.Tensor, fill=0.0) -> torch.Tensor:
+            out = torch.full(shape, fill, dtype=x.dtype)
+            out[local, cols] = x
+            return out
+
+        mask = pad(batch.mask[rows], False)
+        old = pad(logp.detach())
+        loss, metrics = rl_loss(pad(logp), old, pad(batch.advantages[rows]), mask, loss_config,
+                                behaviour_logp=pad(batch.behaviour[rows]),
+                                ref_logp=None if ref_logp is None else pad(ref_logp[rows]))
+        # Gradients are summed over micro-batches: weight this one by its share of the aggregate.
+        share = (int(mask.sum()) / total_valid) if token_level else len(uniq) / max(1, total_seqs)
+        loss_metrics.update(metrics)
+        return loss * share
+
+    metrics = trainer.train_step(batch.token_ids, batch.seq_lens, batch.targets, loss_fn, micro_batch_tokens)
+    stale = batch.versions[batch.mask]
+    return {**{f"loss/{k}": v for k, v in loss_metrics.items()}, **metrics,
+            "train_tokens": float(batch.mask.sum()), "train_sequences": float(total_seqs),
+            "stale_token_frac": float((stale < stale.max()).float().mean()) if stale.numel() else 0.0}

@@ -1,0 +1,68 @@
+"""End-to-end RL runs of the tiny model: the loop, its files, and kill -9 + resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rl.train import run
+from tests.rl.test_config import composed
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["tracking.wandb_mode=disabled", "tracking.progress=false", "rollout.groups_per_iteration=4",
+         "algo.group_size=4", "rollout.max_new_tokens=3"]
+PHASES = ["load_weights", "rollout", "sleep", "train", "offload", "checkpoint"]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_iterations_end_to_end(tmp_path):
+    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL)
+    history = run(cfg)
+    assert len(history) == 2 and all(h["groups_trained"] == 4 and h["train_sequences"] == 16 for h in history)
+    metrics = records(tmp_path / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [0, 1]
+    assert all(0 <= m["reward_mean"] <= 1 for m in metrics)
+    phases = [(r["iteration"], r["phase"]) for r in records(tmp_path / "phases.jsonl")]
+    assert phases == [(0, p) for p in PHASES] + [(1, "wake")] + [(1, p) for p in PHASES]
+    pool = [r["memory"]["device_pool"] for r in records(tmp_path / "phases.jsonl") if r["phase"] == "train"]
+    assert pool == [0, 0], "the engine's pool must be released while training"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_000001"
+    for name in ("reward.png", "memory.png", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    with pytest.raises(FileExistsError, match="resume=true"):
+        run(cfg)  # a used run_dir is not silently overwritten
+
+
+def cli(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("HYBRIDRL_FAULT", None)
+    if fault:
+        env["HYBRIDRL_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "rl.train", f"run_dir={run_dir}", "experiment.iterations=3",
+                           *SMALL, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = cli(straight)
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = cli(crashed, fault="train:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (crashed / "checkpoints" / "latest").read_text() == "iter_000000"
+    again = cli(crashed, "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in again.stdout
+    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
+    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
+    assert [m["iteration"] for m in records(crashed / "metrics.jsonl")] == [0, 1, 2]
+    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
