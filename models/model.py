@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.kda.naive import naive_chunk_kda
 from models.config import ModelConfig
 from models.kda import KDALayer
 from models.mla import MLALayer
@@ -246,6 +247,57 @@ class StateMixer:
         for new, cache in zip(self.new_states, caches):
             new.mla[index] = cache
         return out
+
+
+class PackedMixer:
+    """Mixer for whole sequences from position 0 with no states wanted (training, scoring): every
+    sequence's tokens are right-padded into one [B, Lmax] batch so KDA and MLA run as a few batched
+    ops instead of a loop over sequences. Same math as `StateMixer` (its reference twin,
+    tests/models/test_packed_mixer.py), differentiable; padded positions come after each sequence's
+    real tokens, so causality keeps them from touching real outputs, and they are dropped."""
+
+    def __init__(self, batch: SegmentBatch) -> None:
+        if any(batch.starts):
+            raise ValueError(f"PackedMixer needs sequences starting at position 0, got starts {batch.starts}")
+        lens, offsets = batch.new_lens, batch.offsets
+        self.num, self.width = len(lens), max(lens)
+        self.src = torch.tensor([o + t for o, n in zip(offsets, lens) for t in range(n)], dtype=torch.long)
+        self.dst = torch.tensor([j * self.width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
+        self.lens = torch.tensor(lens, dtype=torch.long)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed [N, *rest] -> [B, Lmax, *rest] (zeros past each length)."""
+        out = x.new_zeros(self.num * self.width, *x.shape[1:]).index_copy(0, self.dst, x.index_select(0, self.src))
+        return out.view(self.num, self.width, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Lmax, *rest] -> packed [N, *rest]."""
+        return x.reshape(self.num * self.width, *x.shape[2:]).index_select(0, self.dst)
+
+    def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
+        mixed, g, beta, gate = layer.project(x)
+        tails = mixed.new_zeros(self.num, layer.kernel - 1, mixed.shape[-1])
+        q, k, v, _ = layer.short_conv(self.pad(mixed), tails)
+        o, _, _ = naive_chunk_kda(q, k, v, self.pad(g), self.pad(beta), chunk_len=min(64, self.width))
+        return layer.output(self.unpad(o), gate)
+
+    def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(self.width).repeat(self.num).index_select(0, self.dst)
+        q_nope, q_rope = layer.queries(x, positions)
+        latent = self.pad(layer.latent(x, positions)).float()  # [B, L, d_c + d_r]
+        w_uk, w_uv = (w.float() for w in layer.up_projections())  # [H, Dn, d_c], [H, Dv, d_c]
+        c_kv, k_rope = latent[..., :layer.kv_lora_rank], latent[..., layer.kv_lora_rank:]
+        heads, length = layer.num_heads, self.width
+        k_nope = torch.einsum("hnc,blc->bhln", w_uk, c_kv)  # [B, H, L, Dn]
+        keys = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1, -1)], dim=-1)  # [B, H, L, Dn + Dr]
+        values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
+        queries = torch.cat([self.pad(q_nope), self.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
+        scores = (queries @ keys.transpose(-1, -2)) * layer.scale  # [B, H, L, L]
+        pos = torch.arange(length)
+        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < self.lens[:, None, None])  # [B, L, L]
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        out = (scores.softmax(dim=-1) @ values).transpose(1, 2)  # [B, L, H, Dv]
+        return layer.output(x, self.unpad(out).to(x.dtype))
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.model import HybridLM, StateMixer
+from models.model import HybridLM, Mixer, PackedMixer
 from models.state import SegmentBatch
 
 
@@ -69,7 +69,7 @@ class ChunkedModel:
     def chunk_numel(self, chunk: int) -> int:
         return sum(p.numel() for _, p in self.chunk_parameters(chunk))
 
-    def _run_chunk(self, chunk: int, hidden: torch.Tensor, mixer: StateMixer) -> torch.Tensor:
+    def _run_chunk(self, chunk: int, hidden: torch.Tensor, mixer: Mixer) -> torch.Tensor:
         for index in self.specs[chunk].layers:
             hidden = self.model.run_layer(index, hidden, mixer)
         return hidden
@@ -79,8 +79,7 @@ class ChunkedModel:
                          logprob_chunk_len: int = 1024) -> torch.Tensor:
         """Per-token log p(targets | prefix) [N] float32 through the same chunk path as training
         (old-policy and reference logprobs)."""
-        batch = SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))
-        mixer = StateMixer(batch, [None] * len(seq_lens), [[]] * len(seq_lens))
+        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
         hidden = self.model.model.embed_tokens(token_ids)
         for c in range(len(self.specs)):
             hidden = self._run_chunk(c, hidden, mixer)
@@ -103,11 +102,11 @@ class ChunkedModel:
                              f"the same 1-D packed shape")
         if sum(seq_lens) != token_ids.numel() or any(n < 1 for n in seq_lens):
             raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
-        batch = SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))
-        num = len(seq_lens)
+        # Whole sequences from position 0: the batched mixer (one padded batch, no per-sequence loop).
+        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
 
-        def mixer() -> StateMixer:
-            return StateMixer(batch, [None] * num, [[]] * num)
+        def mixer() -> PackedMixer:
+            return packed
 
         # Forward without a graph, keeping only each chunk's input.
         inputs = []
