@@ -12,8 +12,11 @@ export DS_BUILD_OPS := 0
 
 .PHONY: run test install apt clean
 
+# The main job: a colocated RL run of the tiny model on CPU (experiment=cpu_demo, a few minutes).
+# Each `make run` writes a new run directory under runs/; continue one with
+#   $(PY) -m rl.train run_dir=runs/<dir> resume=true
 run: $(STAMP)
-	$(PY) -m models.sample --config configs/model/tiny.yaml --max-new-tokens 48
+	$(PY) -m rl.train run_dir=runs/cpu_demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -82,6 +82,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
             raise ValueError(f"rollout.budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
+        if self.temperature != 1.0:
+            # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
+            raise ValueError(f"rollout.temperature={self.temperature}: only 1.0 is supported for training for now "
+                             f"(the trainer's logprobs are not temperature-scaled yet)")
         if self.partial_resume not in ("recompute", "kv"):
             raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
 

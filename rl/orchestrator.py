@@ -109,6 +109,11 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
                    **{f"seconds/{k}": v for k, v in phases.seconds.items()}}
         metrics.pop("iteration")
         p.tracker.log(it, metrics)
+        if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
+            p.tracker.console.print(
+                f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "
+                f"{rollout['rollout_tok_s']:.0f} tok/s  loss {train.get('loss', float('nan')):.4g}  "
+                f"rollout {phases.seconds.get('rollout', 0):.2f}s train {phases.seconds.get('train', 0):.2f}s")
         for error in p.driver.errors:
             p.tracker.console.print(f"[yellow]dropped[/yellow] {error}")
         p.driver.errors.clear()

@@ -168,11 +168,14 @@ class Tracker:
 
 
 class _Bar:
-    """A rich Progress with one task; a context manager. Disabled bars print nothing."""
+    """A rich Progress with one task; a context manager. In a terminal the bar is cleared when the
+    phase ends (the loop prints periodic one-line summaries); in a log its final state is printed
+    once. Disabled bars print nothing."""
 
     def __init__(self, description: str, total: int, console: Console, enabled: bool, *columns, **fields):
         self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *columns,
-                                  TimeElapsedColumn(), console=console, disable=not enabled, transient=False)
+                                  TimeElapsedColumn(), console=console, disable=not enabled,
+                                  transient=console.is_terminal)
         self._task = self._progress.add_task(description, total=total, **fields)
 
     def __enter__(self):
@@ -245,31 +248,33 @@ def _plot_reward(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _plot_memory(records: list[dict], path: Path) -> None:
-    """One step line per memory key (GiB) over cumulative phase time, phases as coloured bands."""
+def _plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> None:
+    """What each memory tier holds through the phases of the last `last_iterations` iterations: one
+    step line per memory key, one equal-width slot per phase (durations differ by 1000x; each
+    slot's label gives the phase and its seconds)."""
     if not records:
         return
+    kept = sorted({r["iteration"] for r in records})[-last_iterations:]
+    records = [r for r in records if r["iteration"] in kept]
     plt = _pyplot()
-    from matplotlib.patches import Patch
-
-    edges_s = [0.0]  # [num_records + 1] phase boundaries in cumulative seconds
-    for r in records:
-        edges_s.append(edges_s[-1] + r["seconds"])
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    phases = list(dict.fromkeys(r["phase"] for r in records))
-    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(phases)}
-    for r, start_s, end_s in zip(records, edges_s, edges_s[1:]):
-        ax.axvspan(start_s, end_s, color=colors[r["phase"]], alpha=0.12, linewidth=0)
     keys = list(dict.fromkeys(k for r in records for k in r["memory"]))
-    lines = []
+    peak = max((v for r in records for v in r["memory"].values()), default=0)
+    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(records) + 3), 4.5))
+    x = list(range(len(records) + 1))
     for key in keys:
-        gib = [r["memory"].get(key, float("nan")) / 2**30 for r in records]
-        lines += ax.step(edges_s, gib + gib[-1:], where="post", label=key)
-    ax.set_xlabel("seconds (cumulative over phases)")
-    ax.set_ylabel("GiB")
+        values = [r["memory"].get(key, float("nan")) / scale for r in records]
+        ax.step(x, values + values[-1:], where="post", label=key)
+    for i, r in enumerate(records):
+        if i == 0 or r["iteration"] != records[i - 1]["iteration"]:
+            ax.axvline(i, color="grey", alpha=0.4, linewidth=0.8)
+    ax.set_xticks([i + 0.5 for i in range(len(records))])
+    ax.set_xticklabels([f"{r['iteration']}:{r['phase']} {r['seconds']:.2g}s" for r in records],
+                       rotation=60, ha="right", fontsize="x-small")
+    ax.set_ylabel(unit)
+    ax.set_title(f"memory by phase, iterations {kept[0]}-{kept[-1]}")
     ax.grid(alpha=0.3)
-    ax.legend(handles=lines + [Patch(color=colors[p], alpha=0.3, label=p) for p in phases],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

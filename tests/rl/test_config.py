@@ -44,6 +44,7 @@ def test_wrong_type_names_key_and_value():
     ("rollout.budget_seconds=-1.0", ["budget_seconds=-1.0", "> 0"]),
     ("rollout.max_concurrency=lots", ["max_concurrency='lots'", "'auto'"]),
     ("algo.group_size=1", ["group_size=1", ">= 2"]),
+    ("rollout.temperature=0.7", ["temperature=0.7", "1.0"]),
     ("tracking.wandb_mode=ofline", ["ofline", "offline"]),
 ])
 def test_bad_values_fail_with_the_value_and_what_was_expected(override, words):
