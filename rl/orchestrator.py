@@ -11,17 +11,13 @@ A checkpoint is written atomically after each iteration; resume starts after the
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from models.model import HybridLM
+from rl.checkpoint import save_iteration
 from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
 from rl.update import PackedBatch, policy_update, reference_logprobs
@@ -134,36 +130,3 @@ def _train(p: LoopParts, groups) -> dict[str, float]:
 def _offload_train_state() -> None:
     """Hook: training state leaves the device here (NVMe spill, host KV pool: the memory phases).
     On one CPU process the optimizer already lives on the host and nothing moves."""
-
-
-def save_iteration(p: LoopParts, iteration: int) -> Path:
-    """Write iteration `iteration`'s checkpoint (trainer, rollout state, RNG) atomically: into a
-    temporary directory renamed into place, then `latest` updated; older ones removed."""
-    final = p.checkpoint_dir / f"iter_{iteration:06d}"
-    tmp = p.checkpoint_dir / f".tmp_iter_{iteration:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    p.trainer.save(tmp)
-    (tmp / "driver.json").write_text(json.dumps(p.driver.state_dict()))
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = p.checkpoint_dir / "latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, p.checkpoint_dir / "latest")
-    for old in p.checkpoint_dir.glob("iter_*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_latest(p: LoopParts) -> int | None:
-    """Restore the last complete iteration's checkpoint; returns its iteration (None if none)."""
-    marker = p.checkpoint_dir / "latest"
-    if not marker.exists():
-        return None
-    path = p.checkpoint_dir / marker.read_text().strip()
-    p.trainer.load(path)
-    p.driver.load_state_dict(json.loads((path / "driver.json").read_text()))
-    torch.set_rng_state(torch.load(path / "rng.pt")["torch"])
-    return json.loads((path / "iteration.json").read_text())["iteration"]

@@ -22,7 +22,8 @@ from models.checkpoint import load_weights
 from models.model import HybridLM
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig, register_configs, to_run_config
-from rl.orchestrator import LoopParts, load_latest, run_loop
+from rl.checkpoint import load_latest
+from rl.orchestrator import LoopParts, run_loop
 from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
 from rollout.dispatcher import ThrottleConfig

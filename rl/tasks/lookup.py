@@ -42,6 +42,9 @@ class KeyLookup:
     """Reward for a well-formed call (any key of the table) followed by a wrong final answer."""
     max_turns: int = 2
     """Turn 1 calls the tool, turn 2 answers."""
+    brackets: bool = True
+    """The call syntax: "[c]" (True), or the bare key letter "c" (False: a one-character action a
+    tiny model from a random init finds by chance, used by the CPU config)."""
     _table: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _query: str = field(default="", init=False, repr=False)
     _called: str = field(default="", init=False, repr=False)
@@ -78,9 +81,10 @@ class KeyLookup:
         if self._turn == 0:
             raise RuntimeError("step() before reset() or after the episode is done")
         if self._turn == 1:
-            call = answer[:3]
-            if len(call) == 3 and call[0] == "[" and call[2] == "]" and call[1] in self._table:
-                self._called = call[1]
+            call = answer[:3] if self.brackets else answer[:1]
+            key = call[1:2] if self.brackets and call[:1] == "[" and call[2:3] == "]" else call if not self.brackets else ""
+            if key and key in self._table:
+                self._called = key
                 self._turn = 2
                 return StepResult(f"={self._table[self._called]};", 0.0, False)
             self._turn = 0

@@ -128,3 +128,15 @@ def test_registry_and_bad_arguments():
     for call_reward in (-0.1, 1.0):
         with pytest.raises(ValueError, match=rf"call_reward={call_reward}, expected in \[0, 1\)"):
             make_task("key_lookup", call_reward=call_reward)
+
+
+def test_bare_letter_calls_when_brackets_are_off():
+    from rl.tasks.lookup import KeyLookup
+
+    env = KeyLookup(brackets=False)
+    key = env.reset(3)[4]
+    result = env.step(key)
+    assert not result.done and result.observation == f"={env.table[key]};"
+    assert env.step(str(env.table[key])).reward == 1.0
+    env.reset(3)
+    assert env.step("[" + key + "]").done  # the bracketed form is not a call in this mode
