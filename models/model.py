@@ -249,55 +249,97 @@ class StateMixer:
         return out
 
 
-class PackedMixer:
-    """Mixer for whole sequences from position 0 with no states wanted (training, scoring): every
-    sequence's tokens are right-padded into one [B, Lmax] batch so KDA and MLA run as a few batched
-    ops instead of a loop over sequences. Same math as `StateMixer` (its reference twin,
-    tests/models/test_packed_mixer.py), differentiable; padded positions come after each sequence's
-    real tokens, so causality keeps them from touching real outputs, and they are dropped."""
+@dataclass
+class _Bucket:
+    """Sequences padded together: packed rows src go to rows dst of a [num * width] layout."""
 
-    def __init__(self, batch: SegmentBatch) -> None:
-        if any(batch.starts):
-            raise ValueError(f"PackedMixer needs sequences starting at position 0, got starts {batch.starts}")
-        lens, offsets = batch.new_lens, batch.offsets
-        self.num, self.width = len(lens), max(lens)
-        self.src = torch.tensor([o + t for o, n in zip(offsets, lens) for t in range(n)], dtype=torch.long)
-        self.dst = torch.tensor([j * self.width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
-        self.lens = torch.tensor(lens, dtype=torch.long)
+    num: int
+    width: int
+    src: torch.Tensor
+    dst: torch.Tensor
+    lens: torch.Tensor
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed [N, *rest] -> [B, Lmax, *rest] (zeros past each length)."""
+        """Packed [N, *rest] -> [num, width, *rest] (zeros past each length)."""
         out = x.new_zeros(self.num * self.width, *x.shape[1:]).index_copy(0, self.dst, x.index_select(0, self.src))
         return out.view(self.num, self.width, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, Lmax, *rest] -> packed [N, *rest]."""
+        """[num, width, *rest] -> the bucket's packed rows [n, *rest] (in src order)."""
         return x.reshape(self.num * self.width, *x.shape[2:]).index_select(0, self.dst)
+
+
+class PackedMixer:
+    """Mixer for whole sequences from position 0 with no states wanted (training, scoring): the
+    sequences are right-padded into a few [B, Lmax] buckets so KDA and MLA run as batched ops
+    instead of a loop over sequences. Same math as `StateMixer` (its reference twin,
+    tests/models/test_packed_mixer.py), differentiable; padded positions come after each sequence's
+    real tokens, so causality keeps them from touching real outputs, and they are dropped.
+    Buckets (longest first) keep padding under 2x a bucket's real tokens and its attention scores
+    [B, L, L] under `max_score_elements` per head, so one long sequence never pads a crowd of short
+    ones to its length."""
+
+    def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22) -> None:
+        if any(batch.starts):
+            raise ValueError(f"PackedMixer needs sequences starting at position 0, got starts {batch.starts}")
+        lens, offsets = batch.new_lens, batch.offsets
+        groups: list[list[int]] = []
+        total = 0
+        for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+            if groups:
+                width, size = lens[groups[-1][0]], len(groups[-1]) + 1
+                if size * width <= 2 * (total + lens[i]) and size * width * width <= max_score_elements:
+                    groups[-1].append(i)
+                    total += lens[i]
+                    continue
+            groups.append([i])
+            total = lens[i]
+        self.buckets = []
+        for seqs in groups:
+            width = lens[seqs[0]]
+            src = torch.tensor([offsets[i] + t for i in seqs for t in range(lens[i])], dtype=torch.long)
+            dst = torch.tensor([j * width + t for j, i in enumerate(seqs) for t in range(lens[i])], dtype=torch.long)
+            self.buckets.append(_Bucket(len(seqs), width, src, dst, torch.tensor([lens[i] for i in seqs])))
+        self.num_tokens = batch.num_tokens
+
+    def _gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-bucket packed rows -> [N, *rest] in the batch's packed order (differentiable)."""
+        if len(parts) == 1 and self.buckets[0].src.equal(torch.arange(self.num_tokens)):
+            return parts[0]
+        out = parts[0].new_zeros(self.num_tokens, *parts[0].shape[1:])
+        for bucket, part in zip(self.buckets, parts):
+            out = out.index_copy(0, bucket.src, part)
+        return out
 
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
         mixed, g, beta, gate = layer.project(x)
-        tails = mixed.new_zeros(self.num, layer.kernel - 1, mixed.shape[-1])
-        q, k, v, _ = layer.short_conv(self.pad(mixed), tails)
-        o, _, _ = naive_chunk_kda(q, k, v, self.pad(g), self.pad(beta), chunk_len=min(64, self.width))
-        return layer.output(self.unpad(o), gate)
+        parts = []
+        for b in self.buckets:
+            tails = mixed.new_zeros(b.num, layer.kernel - 1, mixed.shape[-1])
+            q, k, v, _ = layer.short_conv(b.pad(mixed), tails)
+            o, _, _ = naive_chunk_kda(q, k, v, b.pad(g), b.pad(beta), chunk_len=min(64, b.width))
+            parts.append(b.unpad(o))
+        return layer.output(self._gather(parts), gate)
 
     def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(self.width).repeat(self.num).index_select(0, self.dst)
+        positions = self._gather([torch.arange(b.width).repeat(b.num).index_select(0, b.dst) for b in self.buckets])
         q_nope, q_rope = layer.queries(x, positions)
-        latent = self.pad(layer.latent(x, positions)).float()  # [B, L, d_c + d_r]
+        latent_rows = layer.latent(x, positions)  # [N, d_c + d_r]
         w_uk, w_uv = (w.float() for w in layer.up_projections())  # [H, Dn, d_c], [H, Dv, d_c]
-        c_kv, k_rope = latent[..., :layer.kv_lora_rank], latent[..., layer.kv_lora_rank:]
-        heads, length = layer.num_heads, self.width
-        k_nope = torch.einsum("hnc,blc->bhln", w_uk, c_kv)  # [B, H, L, Dn]
-        keys = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1, -1)], dim=-1)  # [B, H, L, Dn + Dr]
-        values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
-        queries = torch.cat([self.pad(q_nope), self.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
-        scores = (queries @ keys.transpose(-1, -2)) * layer.scale  # [B, H, L, L]
-        pos = torch.arange(length)
-        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < self.lens[:, None, None])  # [B, L, L]
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = (scores.softmax(dim=-1) @ values).transpose(1, 2)  # [B, L, H, Dv]
-        return layer.output(x, self.unpad(out).to(x.dtype))
+        heads, parts = layer.num_heads, []
+        for b in self.buckets:
+            latent = b.pad(latent_rows).float()  # [B, L, d_c + d_r]
+            c_kv, k_rope = latent[..., :layer.kv_lora_rank], latent[..., layer.kv_lora_rank:]
+            k_nope = torch.einsum("hnc,blc->bhln", w_uk, c_kv)  # [B, H, L, Dn]
+            keys = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1, -1)], dim=-1)  # [B, H, L, Dn + Dr]
+            values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
+            queries = torch.cat([b.pad(q_nope), b.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
+            scores = (queries @ keys.transpose(-1, -2)) * layer.scale  # [B, H, L, L]
+            pos = torch.arange(b.width)
+            allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < b.lens[:, None, None])  # [B, L, L]
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            parts.append(b.unpad((scores.softmax(dim=-1) @ values).transpose(1, 2)))  # [n, H, Dv]
+        return layer.output(x, self._gather(parts).to(x.dtype))
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
