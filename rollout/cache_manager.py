@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from memory.page_pool import OutOfPages, PagePool
 from rollout.request import Sequence
 
+if TYPE_CHECKING:
+    from rollout.prefix_cache import PrefixCache
+
 
 class CacheManager:
-    def __init__(self, pool: PagePool) -> None:
-        self.pool = pool
+    def __init__(self, pool: PagePool, prefix: "PrefixCache | None" = None) -> None:
+        self.pool, self.prefix = pool, prefix
         self.layout = pool.layout
         self.num_kda_groups = len(self.layout.kda_groups)
         self.num_mla_groups = len(self.layout.mla_groups)
@@ -37,7 +41,10 @@ class CacheManager:
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate what `seq` lacks to hold `num_tokens` tokens. All-or-nothing: False (and
         nothing allocated) when the pool has too few free pages."""
-        if self.pages_needed(seq, num_tokens) > self.pool.num_free:
+        needed = self.pages_needed(seq, num_tokens)
+        if needed > self.pool.num_free and self.prefix is not None:
+            self.prefix.evict(needed - self.pool.num_free)  # cached pages nobody uses go first
+        if needed > self.pool.num_free:
             return False
         try:
             if not seq.kda_pages:
@@ -104,6 +111,9 @@ class CacheManager:
         """Pool accounting holds and every refcount equals the references sequences hold."""
         self.pool.check_integrity()
         held = Counter()
+        if self.prefix is not None:  # the prefix index holds one reference per page it knows
+            self.prefix.check_integrity()
+            held.update(list(self.prefix.lru))
         for s in seqs:
             held.update(s.kda_pages)
             for group in s.mla_pages:

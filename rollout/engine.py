@@ -25,6 +25,7 @@ from memory.page_pool import OutOfPages, PagePool
 from models.model import HybridLM
 from rollout.cache_manager import CacheManager
 from rollout.model_runner import ModelRunner
+from rollout.prefix_cache import PrefixCache, PrefixCacheConfig
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, sample
 from rollout.scheduler import Scheduler, SchedulerConfig
@@ -52,6 +53,8 @@ class EngineConfig:
     """Run the pool/cache integrity checks after every step (tests, debugging)."""
     show_progress: bool = True
     """Progress bar in generate()."""
+    prefix_cache: PrefixCacheConfig | None = None
+    """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -71,7 +74,8 @@ class Engine:
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
                      else PagePool.from_bytes(self.layout, config.pool_bytes, device))
-        self.cache = CacheManager(self.pool)
+        prefix = PrefixCache(self.pool, config.prefix_cache) if config.prefix_cache is not None else None
+        self.cache = CacheManager(self.pool, prefix)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
@@ -165,6 +169,9 @@ class Engine:
         finished: list[RequestOutput] = []
         if scheduled.seqs:
             sampling, logits = self.runner.run(scheduled)
+            if self.cache.prefix is not None:  # index what this pass computed, before anything finishes
+                for seq in scheduled.seqs:
+                    self.cache.prefix.register(seq, tuple(self.requests[seq.request_id].turn_boundaries))
             self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
             seqs: list[Sequence] = []
             rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
@@ -245,6 +252,8 @@ class Engine:
     def sleep(self) -> None:
         """Release the device pool. Running sequences keep their tokens and are recomputed after wake()."""
         self.scheduler.preempt_all()
+        if self.cache.prefix is not None:
+            self.cache.prefix.clear()  # cached pages live in the device pool (the host KV pool will keep them)
         self.pool.release()
         self.runner.invalidate_views()
 
@@ -258,6 +267,8 @@ class Engine:
             raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
         self.model.load_state_dict(state_dict, strict=True)
         self.policy_version = version
+        if self.cache.prefix is not None:
+            self.cache.prefix.set_version(version)  # old prefixes were computed by other weights
 
     def check_integrity(self) -> None:
         seqs = [s for r in self.requests.values() for s in r.seqs]

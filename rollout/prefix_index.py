@@ -88,10 +88,12 @@ class PrefixIndex:
         return self.block_tokens // self.hash_block
 
     # ---- registration ---------------------------------------------------------------------------------
-    def register_mla(self, hashes: Sequence[bytes], first: int, pages_by_block: Sequence[tuple[int, ...]]) -> None:
+    def register_mla(self, hashes: Sequence[bytes], first: int, pages_by_block: Sequence[tuple[int, ...]]) -> set[int]:
         """Register hash-block ends first+1 .. first+len(hashes) (1-based, h_i certifies [0, i*hash_block))
         of a sequence whose physical block j lives in `pages_by_block[j]`. Already-registered keys
-        keep their pages (the first registrant stays; both hold the same bytes)."""
+        keep their pages (the first registrant stays; both hold the same bytes). Returns the pages
+        the index did not reference before."""
+        new_pages = set()
         for offset, h in enumerate(hashes):
             i = first + offset + 1
             block = (i - 1) // self.per_page
@@ -100,7 +102,10 @@ class PrefixIndex:
             pages = tuple(pages_by_block[block])
             self.mla[h] = pages
             for page in pages:
+                if page not in self._keys_of_page and page not in self._kda_key_of_page:
+                    new_pages.add(page)
                 self._keys_of_page.setdefault(page, set()).add(h)
+        return new_pages
 
     def register_kda(self, h: bytes, group: int, page: int) -> None:
         """A checkpoint page of KDA group `group` at the boundary certified by `h` (read-only from now)."""

@@ -67,7 +67,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            want = min(seq.num_uncomputed, budget)
+            want = self._chunk(seq, budget)
             if want == 0:
                 break
             while not self.cache.ensure_capacity(seq, seq.num_computed + want):
@@ -82,8 +82,13 @@ class Scheduler:
         if not step.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                want = min(seq.num_uncomputed, budget)
+                if self.cache.prefix is not None:
+                    self.cache.prefix.attach(seq)  # start after the longest cached prefix
+                want = self._chunk(seq, budget)
                 if not self.cache.ensure_capacity(seq, seq.num_computed + want):
+                    if seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
+                        self.cache.free(seq)
+                        seq.num_computed = 0
                     break
                 self.waiting.popleft()
                 seq.status, seq.admitted_at = SeqStatus.RUNNING, self._admissions
@@ -93,6 +98,18 @@ class Scheduler:
                 step.num_new_tokens.append(want)
                 budget -= want
         return step
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step. With a prefix cache, a prefill chunk that crosses a
+        hash-block boundary ends on the last one it crosses, so the KDA state after the chunk is a
+        checkpoint the cache can keep."""
+        want = min(seq.num_uncomputed, budget)
+        if self.cache.prefix is not None and want > 1:
+            hb = self.cache.prefix.config.hash_block
+            boundary = (seq.num_computed + want) // hb * hb
+            if seq.num_computed < boundary < seq.num_computed + want:
+                want = boundary - seq.num_computed
+        return want
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         """The most recently admitted running sequence not already scheduled; else a paused one
@@ -120,6 +137,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its pages, wherever it is queued."""
         self.cache.free(seq)
+        if self.cache.prefix is not None:
+            self.cache.prefix.forget(seq)
         for queue in (self.running, self.paused):
             if seq in queue:
                 queue.remove(seq)

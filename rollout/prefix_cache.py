@@ -1,0 +1,201 @@
+"""The prefix cache over the page pool (SPEC §5.2; issue 6, part 2): what the engine calls.
+
+- `attach(seq)` at admission: look the sequence's chained hashes up (rollout/prefix_index.py), pin
+  every hit page (rule 1) before allocating anything, share the fully covered MLA pages by
+  reference, copy the partially covered last MLA page and the KDA checkpoints into the sequence's
+  private pages, and start its prefill at the hit (always leaving one token to compute).
+- `register(seq)` after each forward pass: index the sequence's complete hash blocks in its MLA
+  pages; when the pass ended on a hash-block boundary (the scheduler cuts prefill chunks there),
+  copy its KDA states into fresh pages as a read-only checkpoint. The sequence's previous
+  checkpoint is recycled unless it sits at a conversation-turn boundary.
+- `evict(n)` when the pool runs short: least recently used pages that only the index holds; a KDA
+  checkpoint goes with its siblings in the other groups (rule 3).
+The index holds one pool reference per page it knows; a page is evictable when that is its only one.
+Copies run synchronously before the next forward pass, so no page is ever matched while a copy
+into it is pending (rule 2 holds by construction here; `PrefixIndex.match(excluded=...)` is the
+hook for deferred copies).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from memory.page_pool import PagePool
+from rollout.prefix_index import PrefixIndex, cache_salt, chain_hashes
+from rollout.request import Sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixCacheConfig:
+    hash_block: int = 512
+    """Tokens per hash block (the reuse granularity); the pool's block_tokens must be a multiple."""
+    model_id: str = "model"
+    """Part of every hash's salt (with the policy version)."""
+    pin_hits: bool = True
+    """Rule 1: pin every hit page before allocating. Off only in tests that show why."""
+
+    def __post_init__(self) -> None:
+        if self.hash_block < 1:
+            raise ValueError(f"hash_block={self.hash_block}, expected >= 1")
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, config: PrefixCacheConfig) -> None:
+        layout = pool.layout
+        if layout.block_tokens % config.hash_block:
+            raise ValueError(f"the pool's block_tokens={layout.block_tokens} is not a multiple of "
+                             f"hash_block={config.hash_block}")
+        self.pool, self.config = pool, config
+        self.num_kda, self.num_mla = len(layout.kda_groups), len(layout.mla_groups)
+        self.index = PrefixIndex(config.hash_block, layout.block_tokens, self.num_kda)
+        self.version = 0
+        self.lru: OrderedDict[int, None] = OrderedDict()  # pages the index holds a reference to
+        self._hashes: dict[int, list[bytes]] = {}  # seq_id -> chain over its computed tokens
+        self._last_ckpt: dict[int, tuple[bytes, int]] = {}  # seq_id -> (hash, position) of its newest checkpoint
+        self.hit_tokens = 0
+        self.lookups = 0
+
+    @property
+    def salt(self) -> bytes:
+        return cache_salt(self.config.model_id, self.version)
+
+    def set_version(self, version: int) -> None:
+        """New weights: nothing computed by the old ones may hit again; the index is emptied."""
+        if version != self.version:
+            self.clear()
+            self.version = version
+
+    def clear(self) -> None:
+        """Drop the whole index (its references go; pages sequences still hold stay)."""
+        pages = list(self.lru)
+        self.lru.clear()
+        self.index = PrefixIndex(self.config.hash_block, self.pool.layout.block_tokens, self.num_kda)
+        self._hashes.clear()
+        self._last_ckpt.clear()
+        if pages:
+            self.pool.decref(pages)
+
+    def hashes(self, seq: Sequence, upto: int) -> list[bytes]:
+        """Chained hashes of seq.tokens[:upto] (complete hash blocks), extended incrementally."""
+        hb = self.config.hash_block
+        chain = self._hashes.setdefault(seq.seq_id, [])
+        want = upto // hb
+        if len(chain) < want:
+            start = len(chain) * hb
+            chain += chain_hashes(seq.tokens[start:want * hb], hb, self.salt,
+                                  start=chain[-1] if chain else b"", first_block=len(chain))
+        return chain[:want]
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence is gone (finished, aborted) or restarts: drop its per-sequence state."""
+        self._hashes.pop(seq.seq_id, None)
+        self._last_ckpt.pop(seq.seq_id, None)
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def attach(self, seq: Sequence) -> int:
+        """Give a page-less sequence the longest cached prefix of its tokens; returns the hit length."""
+        if seq.holds_pages or seq.num_computed:
+            return 0
+        self.lookups += 1
+        hashes = self.hashes(seq, seq.num_tokens - 1)
+        match = self.index.match(hashes, seq.num_tokens, has_mla=self.num_mla > 0)
+        if not match.tokens:
+            return 0
+        bt = self.pool.layout.block_tokens
+        full = match.tokens // bt  # blocks entirely inside the hit: shared by reference
+        partial = match.tokens % bt != 0
+        hit_pages = [p for pages in match.mla_pages for p in pages] + list(match.kda_pages)
+        if self.config.pin_hits:
+            self.pool.incref(hit_pages)  # rule 1: nothing below may evict what we are about to use
+        need = self.num_kda + (self.num_mla if partial else 0)
+        if need > self.pool.num_free:
+            self.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:  # no room for the private copies: no hit this time
+            if self.config.pin_hits:
+                self.pool.decref(hit_pages)
+            return 0
+        kda = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda)]
+        copies_src, copies_dst = list(match.kda_pages), list(kda)
+        mla = []
+        for g in range(self.num_mla):
+            own = self.pool.allocate(1, ("mla", g)) if partial else []
+            if partial:
+                copies_src.append(match.mla_pages[full][g])
+                copies_dst += own
+            mla.append([pages[g] for pages in match.mla_pages[:full]] + own)
+        self.pool.copy_pages(copies_src, copies_dst)
+        self.pool.incref([p for group in mla for p in group[:full]])  # the sequence's own references
+        if self.config.pin_hits:
+            self.pool.decref(hit_pages)
+        for page in hit_pages:
+            if page in self.lru:
+                self.lru.move_to_end(page)
+        seq.kda_pages, seq.mla_pages, seq.num_computed = kda, mla, match.tokens
+        self.hit_tokens += match.tokens
+        return match.tokens
+
+    # ---- after a forward pass ---------------------------------------------------------------------------
+    def register(self, seq: Sequence, keep_positions: tuple[int, ...] = ()) -> None:
+        """Index what the sequence has computed; checkpoint its KDA states at a hash-block boundary."""
+        hb, done = self.config.hash_block, seq.num_computed
+        hashes = self.hashes(seq, done)
+        if self.num_mla and hashes:
+            block_pages = [tuple(seq.mla_pages[g][j] for g in range(self.num_mla))
+                           for j in range(len(seq.mla_pages[0]))]
+            self._hold(self.index.register_mla(hashes, 0, block_pages))
+        if done == 0 or done % hb or not self.num_kda:
+            return
+        h = hashes[-1]
+        if len(self.index.kda.get(h, {})) == self.num_kda:
+            return  # someone already checkpointed this exact prefix
+        if self.num_kda > self.pool.num_free:
+            self.evict(self.num_kda - self.pool.num_free)
+        if self.num_kda > self.pool.num_free:
+            return  # no room for a checkpoint now; the prefix stays reachable up to its MLA pages
+        pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda)]
+        self.pool.copy_pages(list(seq.kda_pages), pages)
+        for g, page in enumerate(pages):
+            self.index.register_kda(h, g, page)
+        self.lru.update((p, None) for p in pages)  # the allocation's reference is the index's
+        previous = self._last_ckpt.get(seq.seq_id)
+        self._last_ckpt[seq.seq_id] = (h, done)
+        if previous is not None and not any(previous[1] == p // hb * hb for p in keep_positions):
+            self._drop_checkpoint(previous[0])
+
+    def _hold(self, pages: set[int]) -> None:
+        """Take the index's reference on pages it just started to know."""
+        self.pool.incref(sorted(pages))
+        self.lru.update((p, None) for p in sorted(pages))
+
+    def _drop_checkpoint(self, h: bytes) -> None:
+        slot = self.index.kda.get(h)
+        if slot and all(self.pool.refcount(p) == 1 for p in slot.values()):
+            self._evict_page(next(iter(slot.values())))
+
+    # ---- eviction ------------------------------------------------------------------------------------------
+    def evict(self, num: int) -> int:
+        """Free at least `num` pages if possible, least recently used first; returns pages freed."""
+        freed = 0
+        for page in list(self.lru):
+            if freed >= num:
+                break
+            if page in self.lru and self.pool.refcount(page) == 1:
+                freed += self._evict_page(page)
+        return freed
+
+    def _evict_page(self, page: int) -> int:
+        siblings = self.index.forget_page(page)  # rule 3: a checkpoint's siblings go with it
+        drop = [page] + [p for p in siblings if p in self.lru]
+        for p in drop:
+            self.lru.pop(p, None)
+        freed = self.pool.decref(drop)
+        return len(freed)
+
+    def check_integrity(self) -> None:
+        """The index agrees with itself and holds exactly one reference on each page it knows."""
+        self.index.check_integrity()
+        if self.index.pages() != set(self.lru):
+            raise AssertionError(f"index pages {sorted(self.index.pages())} != held pages {sorted(self.lru)}")
+        for page in self.lru:
+            if self.pool.refcount(page) < 1:
+                raise AssertionError(f"index page {page} is free in the pool")

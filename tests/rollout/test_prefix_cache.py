@@ -1,0 +1,130 @@
+"""The hybrid prefix cache inside the engine: hits, equality with no cache, every registered entry
+checked against a from-scratch recompute of its declared prefix after every step."""
+import random
+
+import pytest
+import torch
+
+from rollout.engine import Engine, EngineConfig
+from rollout.prefix_cache import PrefixCacheConfig
+from rollout.prefix_index import chain_hashes
+from rollout.sampling import SamplingParams
+
+HB = 16  # hash block; the tiny model's pool has 64-token pages
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+
+
+def sessions(num_sessions=4, turns=3, seed=0):
+    """Agentic-style prompts: a shared system prompt, per-session history growing by turns."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(37)]
+    return system, [[[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(turns)]
+                    for _ in range(num_sessions)]
+
+
+def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0):
+    """Turn by turn, all sessions interleaved; each turn's prompt is the whole conversation so far."""
+    cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
+                       check_every_step=True,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny") if prefix else None)
+    engine = Engine(model, cfg)
+    system, user_turns = sessions(seed=seed)
+    history = [list(system) for _ in user_turns]
+    finals = []
+    for t in range(len(user_turns[0])):
+        ids = []
+        for s, turns in enumerate(user_turns):
+            history[s] += turns[t]
+            ids.append(engine.add_request(history[s], GREEDY, turn_boundaries=[len(history[s])]))
+        done = {}
+        while len(done) < len(ids):
+            for out in engine.step():
+                done[out.request_id] = out
+            if verify is not None:
+                verify(engine)
+        for s, rid in enumerate(ids):
+            history[s] += done[rid].samples[0].tokens
+            finals.append(list(history[s]))
+    return engine, history, finals
+
+
+def reference(model, tokens):
+    """MLA latents of every token and KDA states at every hash boundary, computed from scratch."""
+    with torch.no_grad():
+        out = model.forward_with_state([torch.tensor(tokens)], state_positions=[list(range(HB, len(tokens) + 1, HB))])
+    return out.states[0].mla, {c.position: c.layers for c in out.checkpoints[0]}
+
+
+def make_verifier(model, finals):
+    refs, keys = {}, {}
+    for tokens in finals:
+        key = tuple(tokens)
+        for i, h in enumerate(chain_hashes(tokens, HB, b"tiny|v0"), start=1):
+            keys.setdefault(h, (key, i))
+    checked = {"mla": 0, "kda": 0}
+
+    def verify(engine):
+        cache = engine.cache.prefix
+        pool, bt = engine.pool, engine.layout.block_tokens
+        for h, pages in cache.index.mla.items():
+            tokens, i = keys[h]  # every key is a prefix of some conversation
+            if tokens not in refs:
+                refs[tokens] = reference(model, list(tokens))
+            mla, _ = refs[tokens]
+            block = (i - 1) // (bt // HB)
+            end = i * HB - block * bt  # slots of the block that the key certifies
+            for g, layers in enumerate(engine.layout.mla_groups):
+                for layer in layers:
+                    got = pool.mla_view(layer)[pages[g], :end]
+                    want = mla[layer][block * bt:i * HB]
+                    assert ((got - want).norm() / want.norm()).item() <= 1e-5, (h, layer)
+            checked["mla"] += 1
+        for h, slot in cache.index.kda.items():
+            tokens, i = keys[h]
+            if tokens not in refs:
+                refs[tokens] = reference(model, list(tokens))
+            _, states = refs[tokens]
+            for g, layers in enumerate(engine.layout.kda_groups):
+                for layer in layers:
+                    got = pool.read_kda_state(slot[g], layer)
+                    want = states[i * HB][layer]
+                    assert ((got.recurrent - want.recurrent).norm() / want.recurrent.norm()).item() <= 1e-5
+                    assert ((got.conv_tail - want.conv_tail).norm() / want.conv_tail.norm()).item() <= 1e-5
+            checked["kda"] += 1
+
+    return verify, checked
+
+
+def test_greedy_with_the_cache_equals_without_and_hits(tiny_model):
+    plain, history, _ = run(tiny_model, prefix=False)
+    cached, history_cached, _ = run(tiny_model, prefix=True)
+    assert history_cached == history, "the prefix cache changed what greedy decoding produced"
+    prefix = cached.cache.prefix
+    assert prefix.hit_tokens >= 3 * 32, "later turns should reuse the shared system prompt and history"
+    assert prefix.hit_tokens % HB == 0
+    cached.check_integrity()
+
+
+def test_every_registered_entry_matches_a_recompute_of_its_prefix_after_every_step(tiny_model):
+    _, _, finals = run(tiny_model, prefix=True)
+    verify, checked = make_verifier(tiny_model, finals)
+    run(tiny_model, prefix=True, verify=verify)
+    assert checked["mla"] > 0 and checked["kda"] > 0
+
+
+def test_a_small_pool_evicts_and_still_decodes_exactly(tiny_model):
+    _, history, _ = run(tiny_model, prefix=False, num_pages=30)
+    cached, history_cached, finals = run(tiny_model, prefix=True, num_pages=30)
+    assert history_cached == history
+    verify, checked = make_verifier(tiny_model, finals)
+    run(tiny_model, prefix=True, num_pages=30, verify=verify)
+    assert checked["mla"] > 0
+
+
+def test_new_weights_never_hit_old_prefixes(tiny_model):
+    engine, _, _ = run(tiny_model, prefix=True)
+    assert engine.cache.prefix.index.mla
+    engine.load_weights(tiny_model.state_dict(), version=1)
+    assert not engine.cache.prefix.index.mla and not engine.cache.prefix.index.kda
+    engine.check_integrity()
+    assert engine.pool.num_used == 0
