@@ -88,6 +88,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
+        self.num_computed_tokens = 0
+        """Tokens run through the model since the engine was built (prefill chunks + decode)."""
         self.num_generated = 0
         """Tokens sampled since the engine was built (all requests)."""
         self.peak_pages_used = 0
@@ -113,10 +115,14 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}:{request_id}".encode())
+        boundaries = tuple(sorted({int(b) for b in turn_boundaries}))
+        if any(not 0 < b <= len(prompt) for b in boundaries):
+            raise ValueError(f"turn_boundaries {list(turn_boundaries)} must lie in [1, {len(prompt)}] (the prompt)")
 
         def new_seq(fork: int, num_forks: int = 0) -> Sequence:
             gen = torch.Generator().manual_seed(base_seed + fork)
-            return Sequence(next(self._seq_ids), request_id, list(prompt), len(prompt), params, gen, num_forks)
+            return Sequence(next(self._seq_ids), request_id, list(prompt), len(prompt), params, gen, num_forks,
+                            turn_boundaries=boundaries)
 
         seq = new_seq(0, num_forks=params.n if params.n > 1 else 0)
         self.requests[request_id] = Request(request_id, list(prompt), params, [seq], list(turn_boundaries))
@@ -166,12 +172,13 @@ class Engine:
         if self.pool.is_released:
             raise RuntimeError("engine is asleep: call wake() before step()")
         scheduled = self.scheduler.schedule()
+        self.num_computed_tokens += scheduled.num_tokens
         finished: list[RequestOutput] = []
         if scheduled.seqs:
             sampling, logits = self.runner.run(scheduled)
             if self.cache.prefix is not None:  # index what this pass computed, before anything finishes
                 for seq in scheduled.seqs:
-                    self.cache.prefix.register(seq, tuple(self.requests[seq.request_id].turn_boundaries))
+                    self.cache.prefix.register(seq)
             self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
             seqs: list[Sequence] = []
             rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)

@@ -135,7 +135,7 @@ class PrefixCache:
         return match.tokens
 
     # ---- after a forward pass ---------------------------------------------------------------------------
-    def register(self, seq: Sequence, keep_positions: tuple[int, ...] = ()) -> None:
+    def register(self, seq: Sequence) -> None:
         """Index what the sequence has computed; checkpoint its KDA states at a hash-block boundary."""
         hb, done = self.config.hash_block, seq.num_computed
         hashes = self.hashes(seq, done)
@@ -159,7 +159,7 @@ class PrefixCache:
         self.lru.update((p, None) for p in pages)  # the allocation's reference is the index's
         previous = self._last_ckpt.get(seq.seq_id)
         self._last_ckpt[seq.seq_id] = (h, done)
-        if previous is not None and not any(previous[1] == p // hb * hb for p in keep_positions):
+        if previous is not None and not any(previous[1] == p // hb * hb for p in seq.turn_boundaries):
             self._drop_checkpoint(previous[0])
 
     def _hold(self, pages: set[int]) -> None:

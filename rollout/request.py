@@ -49,6 +49,8 @@ class Sequence:
     """Per KDA cache group, the page holding the sequence's private recurrent state."""
     admitted_at: int = -1
     """Admission counter: preemption picks the most recently admitted sequence."""
+    turn_boundaries: tuple[int, ...] = ()
+    """Token positions where conversation turns end (the request's; the prefix cache checkpoints there)."""
 
     @property
     def num_tokens(self) -> int:

@@ -101,14 +101,17 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step. With a prefix cache, a prefill chunk that crosses a
-        hash-block boundary ends on the last one it crosses, so the KDA state after the chunk is a
-        checkpoint the cache can keep."""
+        hash-block boundary ends on the last one it crosses (or earlier, on the one under a turn
+        boundary), so the KDA state after the chunk is a checkpoint the cache can keep."""
         want = min(seq.num_uncomputed, budget)
         if self.cache.prefix is not None and want > 1:
-            hb = self.cache.prefix.config.hash_block
-            boundary = (seq.num_computed + want) // hb * hb
-            if seq.num_computed < boundary < seq.num_computed + want:
-                want = boundary - seq.num_computed
+            hb, start = self.cache.prefix.config.hash_block, seq.num_computed
+            # Also stop at the hash boundary under a conversation-turn boundary: that checkpoint is
+            # the one later turns (and other sessions sharing the prompt) will hit.
+            stops = [p // hb * hb for p in seq.turn_boundaries] + [(start + want) // hb * hb]
+            inside = [b for b in stops if start < b < start + want]
+            if inside:
+                want = min(inside) - start
         return want
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
