@@ -3,6 +3,8 @@ checked against a from-scratch recompute of its declared prefix after every step
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from rollout.engine import Engine, EngineConfig
@@ -128,3 +130,46 @@ def test_new_weights_never_hit_old_prefixes(tiny_model):
     assert not engine.cache.prefix.index.mla and not engine.cache.prefix.index.kda
     engine.check_integrity()
     assert engine.pool.num_used == 0
+
+
+def _pinning_scenario(model, pin: bool):
+    """A's prefix is cached, then an unrelated C's; the pool is full when B (A's prompt + more)
+    arrives, so B's private copies need an eviction. Returns (B's tokens, expected tokens)."""
+    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=256, show_progress=False,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", pin_hits=pin))
+    engine = Engine(model, cfg)
+    rng = random.Random(5)
+    a = [rng.randrange(256) for _ in range(100)]
+    c = [rng.randrange(256) for _ in range(100)]
+    b = a + [rng.randrange(256) for _ in range(12)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    engine.generate([a], params)
+    engine.generate([c], params)  # cached after A: the least recently used pages are A's
+    filler = engine.pool.allocate(engine.pool.num_free, ("kda", 0))  # everything else is taken
+    assert engine.pool.num_free == 0 and filler
+    (out,) = engine.generate([b], params)
+    reference = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False))
+    (expected,) = reference.generate([b], params)
+    return out.samples[0].tokens, expected.samples[0].tokens, engine
+
+
+def test_rule1_pinning_hits_before_allocating(tiny_model):
+    got, expected, engine = _pinning_scenario(tiny_model, pin=True)
+    assert got == expected and engine.cache.prefix.hit_tokens >= 96
+    with pytest.raises(Exception):  # without the rule, eviction frees the very pages being reused
+        got, expected, engine = _pinning_scenario(tiny_model, pin=False)
+        engine.check_integrity()
+        assert got == expected, "wrong bytes reached the output"
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(5, 90), pages=st.sampled_from([24, 40, 200]))
+def test_random_sessions_budgets_and_pools(tiny_model, seed, budget, pages):
+    """Random multi-turn sessions, chunk budgets and pool sizes (small ones force eviction and
+    preemption): every entry verified against a recompute after every step, output equal to no cache."""
+    _, history, _ = run(tiny_model, prefix=False, num_pages=pages, budget=budget, seed=seed)
+    _, cached, finals = run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed)
+    assert cached == history
+    verify, checked = make_verifier(tiny_model, finals)
+    run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, verify=verify)
