@@ -53,14 +53,29 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
            ) -> tuple[list[int], list[float]]:
-    """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above)."""
+    """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above).
+
+    Stochastic rows draw one uniform number each from their own generator and invert their CDF in
+    one batched search (the same draw whatever else is in the batch); only rows that truncate
+    (top-k / top-p) are handled one by one.
+    """
     logits = logits.float()
     temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
     logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, vocab]
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
-    for b, (p, gen) in enumerate(zip(params, generators)):
-        if p.temperature > 0:
-            tokens[b] = torch.multinomial(truncate(logp[b], p.top_k, p.top_p).exp(), 1, generator=gen)[0]
+    rows = [b for b, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        index = torch.tensor(rows)
+        kept = logp.index_select(0, index)  # [S, vocab]
+        for j, b in enumerate(rows):
+            p = params[b]
+            if p.top_k or p.top_p < 1.0:
+                kept[j] = truncate(kept[j], p.top_k, p.top_p)
+        cdf = kept.exp().cumsum(dim=-1)  # [S, vocab]; dropped tokens add nothing
+        u = torch.cat([torch.rand(1, generator=generators[b]) for b in rows])  # [S] in [0, 1)
+        # side="right": the first token whose CDF exceeds u * total, never a zero-probability one.
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0]
+        tokens[index] = drawn.clamp_(max=logits.shape[-1] - 1)
     return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
 
 
