@@ -208,7 +208,7 @@ class PagedMixer:
     def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
         cache = self.caches.mla_latent[index]  # [P, bt, d_c + d_r]
         tables = self.step.block_tables[index]  # [B, max_blocks]
-        batch, block_tokens = self.step.batch, cache.shape[1]
+        block_tokens = cache.shape[1]
         q_nope, q_rope = layer.queries(x, self.positions)
         latent = layer.latent(x, self.positions)  # [N, d_c + d_r]
         # Write the new tokens' entries before attending: prefill attends to itself. Layers of one

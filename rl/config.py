@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from models.config import ModelConfig
 from rl.tracking import TrackingConfig
+from rollout.sampling import SamplingParams
 from trainer.losses import LossConfig
 from trainer.optimizer import OptimizerConfig
 
@@ -82,6 +83,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
         if self.budget_seconds is not None and not self.budget_seconds > 0:
             raise ValueError(f"rollout.budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
+        try:  # the sampler's own checks, at composition rather than at the first request
+            SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                           top_k=self.top_k)
+        except ValueError as err:
+            raise ValueError(f"rollout.{err}") from None
         if self.temperature != 1.0:
             # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
             raise ValueError(f"rollout.temperature={self.temperature}: only 1.0 is supported for training for now "

@@ -11,8 +11,8 @@ same math as `naive_recurrent_kda` with T = 1):
 
 and S is written back to its page in place.
 
-`impl="naive"` gathers the states, runs `naive_recurrent_kda` on T = 1 and index_copy_s them
-back. `impl="triton"` runs one program per (sequence, head, block of value columns): each
+`impl="naive"` gathers the states, applies the step with batched matmuls (the math of
+`naive_recurrent_kda` at T = 1; tested against it) and index_copy_s them back. `impl="triton"` runs one program per (sequence, head, block of value columns): each
 value column of S evolves independently (the decay and k^T S act per column), so splitting V
 is exact; a program loads S[:, v-block] into registers, updates it and stores it in place.
 """
@@ -23,7 +23,6 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.impl import check_impl, require_triton
-from kernels.kda.naive import naive_recurrent_kda
 
 
 def _check_inputs(q, k, v, g, beta, state, state_pages) -> tuple[int, ...]:

@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from models.sample import main, sample_next

@@ -45,6 +45,7 @@ def test_wrong_type_names_key_and_value():
     ("rollout.max_concurrency=lots", ["max_concurrency='lots'", "'auto'"]),
     ("algo.group_size=1", ["group_size=1", ">= 2"]),
     ("rollout.temperature=0.7", ["temperature=0.7", "1.0"]),
+    ("rollout.top_p=1.5", ["rollout.top_p=1.5", "(0, 1]"]),
     ("tracking.wandb_mode=ofline", ["ofline", "offline"]),
 ])
 def test_bad_values_fail_with_the_value_and_what_was_expected(override, words):

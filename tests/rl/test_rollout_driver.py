@@ -3,12 +3,11 @@ failing environments."""
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.rollout import RolloutDriver
+from rl.rollout import RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
 from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
@@ -110,7 +109,7 @@ def test_failing_environment_drops_only_its_trajectories():
     d.engine.load_weights(d.engine.model.state_dict(), version=1)
     metrics = d.run_iteration()
     groups = d.take_finished_groups()
-    odd = [g for g in range(4) if __import__("rl.rollout", fromlist=["mix_seed"]).mix_seed(1, g) % 2]
+    odd = [g for g in range(4) if mix_seed(1, g) % 2]
     assert metrics["env_errors"] == 4 * len(odd)
     assert len(groups) == 4 - len(odd) and all(t.reward == 1.0 for g in groups for t in g)
     assert all("tool server exploded" in e and "/" in e.split(":")[0] for e in d.errors)

@@ -1,6 +1,5 @@
 """Property test of the engine's cache machinery: random prompts, budgets, pool sizes, aborts and
 pauses; checked by recomputation with the plain model, never by trusting the cache."""
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
