@@ -10,7 +10,10 @@ inside 64-token pages: the 1:8 ratio of 512-token hash blocks in 4,096-token pag
 baseline (hash granularity = the physical page), and no cache.
 Oracle, per request: the longest prefix shared with any request finished in an earlier round,
 rounded down to the hash block, leaving at least one token to compute.
-Final line: hit_vs_oracle=... baseline_hit_vs_oracle=... prefill_tokens_vs_nocache=... hash_block=... block_tokens=...
+With `--small-pages`, our cache runs again in a pool too small for the trace, once with turn-aware
+eviction (turn-boundary checkpoints and the pages under them go last) and once with plain LRU.
+Final line: hit_vs_oracle=... baseline_hit_vs_oracle=... prefill_tokens_vs_nocache=... hash_block=...
+block_tokens=... small_pool_hit_vs_oracle_turn_aware=... small_pool_hit_vs_oracle_lru=...
 """
 from __future__ import annotations
 
@@ -36,9 +39,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_tokens: int, pages: int):
+def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_tokens: int, pages: int,
+        eviction: str = "turn_aware"):
+    cache = PrefixCacheConfig(hash_block=hash_block, model_id="tiny", eviction=eviction) if hash_block else None
     cfg = EngineConfig(num_pages=pages, max_model_len=1024, max_num_batched_tokens=512, show_progress=False,
-                       prefix_cache=PrefixCacheConfig(hash_block=hash_block, model_id="tiny") if hash_block else None)
+                       prefix_cache=cache)
     engine = Engine(model, cfg)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     history = [list(system) for _ in users]
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--hash-block", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--pages", type=int, default=2000, help="pool pages (large: nothing evicted)")
+    p.add_argument("--small-pages", type=int, default=48,
+                   help="pool pages of the eviction comparison (turn-aware vs LRU); 0 skips it")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=args.seed, std=0.1).eval()
@@ -92,6 +99,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "prefill_tokens_vs_nocache": (computed - generated) / (plain_computed - generated),
         "hash_block": args.hash_block, "block_tokens": block_tokens,
     }
+    if args.small_pages:  # a pool too small for the trace: which cached pages should go first?
+        for policy in ("turn_aware", "lru"):
+            _, _, small_hits, _ = run(model, system, users, args.hash_block, args.new_tokens, args.small_pages, policy)
+            figures[f"small_pool_hit_vs_oracle_{policy}"] = small_hits / oracle if oracle else 1.0
     print(f"{len(requests)} requests, {sum(len(q) for q, _ in requests)} prompt tokens; oracle {oracle} reusable, "
           f"ours hit {hits}, classic (hash = {block_tokens}-token page) hit {base_hits}; prefill tokens computed: "
           f"ours {computed - generated}, classic {base_computed - generated}, no cache {plain_computed - generated}")

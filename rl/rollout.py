@@ -100,7 +100,8 @@ class RolloutDriver:
         return env
 
     def _request(self, trajs: list[Trajectory], stats: dict):
-        """(prompt, params, follow-up) continuing `trajs` (one group's first turn, or one trajectory)."""
+        """(prompt, params, follow-up, turn boundaries) continuing `trajs` (one group's first turn, or
+        one trajectory); the boundaries let the engine's prefix cache keep a checkpoint at each turn."""
         traj = trajs[0]
         remaining = max(1, self.max_new_tokens - traj.num_generated_in_turn)
         seed = mix_seed(self.seed, traj.group_id, traj.member, len(traj.answers), traj.num_generated_in_turn)
@@ -116,7 +117,7 @@ class RolloutDriver:
             return nxt
 
         follow_up.trajs = trajs  # who the request continues (read when an iteration stops early)
-        return list(traj.tokens), params, follow_up
+        return list(traj.tokens), params, follow_up, tuple(traj.turn_boundaries)
 
     @staticmethod
     def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
@@ -233,8 +234,8 @@ class RolloutDriver:
                 for t, sample in zip(trajs, out.samples):
                     self._append(t, sample, stats)
             self.carry += trajs
-        for _, _, follow_up in backlog:
-            self.carry += follow_up.trajs
+        for sub in backlog:
+            self.carry += sub.follow_up.trajs
 
     def take_finished_groups(self) -> list[list[Trajectory]]:
         """Groups all of whose (not dropped) members are done, in group order; removed from the driver."""

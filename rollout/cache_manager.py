@@ -114,6 +114,7 @@ class CacheManager:
         if self.prefix is not None:  # the prefix index holds one reference per page it knows
             self.prefix.check_integrity()
             held.update(list(self.prefix.lru))
+            held.update(self.prefix.pending_references())
         for s in seqs:
             held.update(s.kda_pages)
             for group in s.mla_pages:

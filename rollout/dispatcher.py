@@ -19,15 +19,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rollout.engine import Engine
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
-FollowUp = Callable[[RequestOutput], "tuple[list[int], SamplingParams] | list[tuple[list[int], SamplingParams]] | None"]
+FollowUp = Callable[[RequestOutput], "tuple | list[tuple] | None"]
 """Called with a finished request's output; returns the next request(s) of the same trajectories
-(one (prompt, params) pair, a list of pairs or of (prompt, params, own follow-up) triples, or None),
-which go to the front of the backlog (a pair keeps this follow-up)."""
+(one item or a list of items, or None), which go to the front of the backlog. An item is
+(prompt, params) — it keeps this follow-up — or (prompt, params, own follow-up) or
+(prompt, params, own follow-up, turn boundaries)."""
+
+
+class Submission(NamedTuple):
+    """One request for the engine, as the backlog holds it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    follow_up: FollowUp | None = None
+    turn_boundaries: tuple[int, ...] = ()
+    """Where the conversation's turns end in `prompt` (the prefix cache keeps its checkpoints there)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +97,7 @@ class Dispatcher:
     def __init__(self, engine: Engine, config: ThrottleConfig | None = None) -> None:
         self.engine, self.config = engine, config or ThrottleConfig()
         self.auto = AutoLimit(self.config) if self.config.max_concurrency is None else None
-        self.backlog: deque[tuple[list[int], SamplingParams, FollowUp | None]] = deque()
+        self.backlog: deque[Submission] = deque()
         self.in_flight: dict[str, FollowUp | None] = {}
         self._projected: dict[str, int] = {}  # request -> pages it holds at full length
 
@@ -103,16 +115,18 @@ class Dispatcher:
     def limit(self) -> int:
         return self.auto.limit if self.auto is not None else self.config.max_concurrency
 
-    def add(self, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None = None) -> None:
-        """Queue a request; `follow_up(output)` may return the next turn's (prompt, params)."""
-        self.backlog.append((prompt, params, follow_up))
+    def add(self, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None = None,
+            turn_boundaries: tuple[int, ...] = ()) -> None:
+        """Queue a request; `follow_up(output)` may return the next turn's request(s)."""
+        self.backlog.append(Submission(prompt, params, follow_up, tuple(turn_boundaries)))
 
-    def adopt(self, request_id: str, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None) -> None:
+    def adopt(self, request_id: str, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None,
+              turn_boundaries: tuple[int, ...] = ()) -> None:
         """Count a request that is already in the engine (a resumed partial rollout) as in flight."""
         self.in_flight[request_id] = follow_up
         self._projected[request_id] = self._full_length_pages(prompt, params)
 
-    def clear(self) -> tuple[list[tuple[str, FollowUp | None]], list[tuple[list[int], SamplingParams, FollowUp | None]]]:
+    def clear(self) -> tuple[list[tuple[str, FollowUp | None]], list[Submission]]:
         """Forget all work (a stopped iteration): returns ((request id, follow-up) in flight, unsent backlog)."""
         in_flight, backlog = list(self.in_flight.items()), list(self.backlog)
         self.in_flight.clear()
@@ -136,10 +150,10 @@ class Dispatcher:
                 if not self._room_for(self.backlog[0][0], self.backlog[0][1]):
                     kv_bound = True
                     break
-                prompt, params, follow_up = self.backlog.popleft()
-                request_id = self.engine.add_request(prompt, params)
-                self.in_flight[request_id] = follow_up
-                self._projected[request_id] = self._full_length_pages(prompt, params)
+                sub = self.backlog.popleft()
+                request_id = self.engine.add_request(sub.prompt, sub.params, turn_boundaries=sub.turn_boundaries)
+                self.in_flight[request_id] = sub.follow_up
+                self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
             for out in self.engine.step():
                 follow_up = self.in_flight.pop(out.request_id)
                 self._projected.pop(out.request_id)
@@ -149,7 +163,7 @@ class Dispatcher:
                 nxt = follow_up(out) if follow_up is not None else None
                 nxt = [] if nxt is None else [nxt] if isinstance(nxt, tuple) else nxt
                 for item in reversed(nxt):  # the next turns go first: their prefixes are hot
-                    self.backlog.appendleft(item if len(item) == 3 else (*item, follow_up))
+                    self.backlog.appendleft(Submission(*item) if len(item) > 2 else Submission(*item, follow_up))
             if self.auto is not None:
                 self.auto.update(self.engine.stats(), hold=kv_bound or not self.backlog)
         return outputs

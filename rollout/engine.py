@@ -174,6 +174,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self.num_computed_tokens += scheduled.num_tokens
         finished: list[RequestOutput] = []
+        if self.cache.prefix is not None:
+            self.cache.prefix.flush()  # this step's page copies, right before the forward pass
         if scheduled.seqs:
             sampling, logits = self.runner.run(scheduled)
             if self.cache.prefix is not None:  # index what this pass computed, before anything finishes
@@ -196,6 +198,8 @@ class Engine:
             done = {s.request_id for s in seqs if s.status is SeqStatus.FINISHED}
             finished = [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
         self.num_steps += 1
+        if self.cache.prefix is not None and not self.scheduler.has_work:
+            self.cache.prefix.flush()  # idle: nothing may stay half-copied
         if self.config.check_every_step:
             self.check_integrity()
         for out in finished:

@@ -8,12 +8,17 @@
   pages; when the pass ended on a hash-block boundary (the scheduler cuts prefill chunks there),
   copy its KDA states into fresh pages as a read-only checkpoint. The sequence's previous
   checkpoint is recycled unless it sits at a conversation-turn boundary.
-- `evict(n)` when the pool runs short: least recently used pages that only the index holds; a KDA
-  checkpoint goes with its siblings in the other groups (rule 3).
+- `evict(n)` when the pool runs short: pages that only the index holds, least recently used first;
+  with `eviction="turn_aware"` (default) the checkpoints at conversation-turn boundaries, and the
+  MLA pages under them, go only after every other cached page. A KDA checkpoint goes with its
+  siblings in the other groups (rule 3).
+- `flush()` right before the forward pass: the step's page copies (into private pages at
+  admission, out to checkpoints after the previous pass) run as one batched gather + scatter.
+  Until then a checkpoint page holds its previous owner's bytes, so it is excluded from matching
+  (rule 2); a sequence whose best hit waits on such a copy is admitted a step later instead of
+  recomputing (`attach` returns None). A pending copy holds a pool reference on both its pages.
 The index holds one pool reference per page it knows; a page is evictable when that is its only one.
-Copies run synchronously before the next forward pass, so no page is ever matched while a copy
-into it is pending (rule 2 holds by construction here; `PrefixIndex.match(excluded=...)` is the
-hook for deferred copies).
+Debug flags switch each concurrency rule off, for the tests that show why it exists.
 """
 from __future__ import annotations
 
@@ -31,12 +36,24 @@ class PrefixCacheConfig:
     """Tokens per hash block (the reuse granularity); the pool's block_tokens must be a multiple."""
     model_id: str = "model"
     """Part of every hash's salt (with the policy version)."""
+    eviction: str = "turn_aware"
+    """"turn_aware": turn-boundary checkpoints and the MLA pages under them are evicted last;
+    "lru": least recently used first, whatever they hold."""
+    defer_copies: bool = True
+    """Run page copies as one batch right before the forward pass (False: at once, one by one)."""
     pin_hits: bool = True
     """Rule 1: pin every hit page before allocating. Off only in tests that show why."""
+    exclude_pending: bool = True
+    """Rule 2: pages whose copies are pending never match. Off only in tests that show why."""
+    atomic_checkpoints: bool = True
+    """Rule 3: evicting a checkpoint page evicts its siblings in the other KDA groups. Off only in
+    tests that show why."""
 
     def __post_init__(self) -> None:
         if self.hash_block < 1:
             raise ValueError(f"hash_block={self.hash_block}, expected >= 1")
+        if self.eviction not in ("turn_aware", "lru"):
+            raise ValueError(f"eviction={self.eviction!r}, expected 'turn_aware' or 'lru'")
 
 
 class PrefixCache:
@@ -52,8 +69,13 @@ class PrefixCache:
         self.lru: OrderedDict[int, None] = OrderedDict()  # pages the index holds a reference to
         self._hashes: dict[int, list[bytes]] = {}  # seq_id -> chain over its computed tokens
         self._last_ckpt: dict[int, tuple[bytes, int]] = {}  # seq_id -> (hash, position) of its newest checkpoint
+        self._turns: dict[bytes, list[bytes]] = {}  # turn-boundary checkpoint -> the hash chain up to it
+        self._pending: list[tuple[int, int]] = []  # (src, dst) page copies waiting for flush()
+        self._recycle: list[bytes] = []  # checkpoints superseded by a pending one: dropped after flush()
         self.hit_tokens = 0
         self.lookups = 0
+        self.deferred_admissions = 0
+        """Times a sequence waited a step for a pending copy instead of taking a shorter hit."""
 
     @property
     def salt(self) -> bytes:
@@ -67,11 +89,13 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop the whole index (its references go; pages sequences still hold stay)."""
+        self.flush()
         pages = list(self.lru)
         self.lru.clear()
         self.index = PrefixIndex(self.config.hash_block, self.pool.layout.block_tokens, self.num_kda)
         self._hashes.clear()
         self._last_ckpt.clear()
+        self._turns.clear()
         if pages:
             self.pool.decref(pages)
 
@@ -92,13 +116,19 @@ class PrefixCache:
         self._last_ckpt.pop(seq.seq_id, None)
 
     # ---- admission -----------------------------------------------------------------------------------
-    def attach(self, seq: Sequence) -> int:
-        """Give a page-less sequence the longest cached prefix of its tokens; returns the hit length."""
+    def attach(self, seq: Sequence) -> int | None:
+        """Give a page-less sequence the longest cached prefix of its tokens; returns the hit length,
+        or None when that hit waits on a pending copy (admit the sequence next step)."""
         if seq.holds_pages or seq.num_computed:
             return 0
-        self.lookups += 1
         hashes = self.hashes(seq, seq.num_tokens - 1)
-        match = self.index.match(hashes, seq.num_tokens, has_mla=self.num_mla > 0)
+        has_mla = self.num_mla > 0
+        excluded = self.pending_destinations() if self.config.exclude_pending else ()
+        match = self.index.match(hashes, seq.num_tokens, has_mla=has_mla, excluded=excluded)
+        if excluded and self.index.match(hashes, seq.num_tokens, has_mla=has_mla).tokens > match.tokens:
+            self.deferred_admissions += 1
+            return None
+        self.lookups += 1
         if not match.tokens:
             return 0
         bt = self.pool.layout.block_tokens
@@ -123,7 +153,7 @@ class PrefixCache:
                 copies_src.append(match.mla_pages[full][g])
                 copies_dst += own
             mla.append([pages[g] for pages in match.mla_pages[:full]] + own)
-        self.pool.copy_pages(copies_src, copies_dst)
+        self._copy(copies_src, copies_dst)
         self.pool.incref([p for group in mla for p in group[:full]])  # the sequence's own references
         if self.config.pin_hits:
             self.pool.decref(hit_pages)
@@ -146,21 +176,58 @@ class PrefixCache:
         if done == 0 or done % hb or not self.num_kda:
             return
         h = hashes[-1]
+        is_turn = any(done == p // hb * hb for p in seq.turn_boundaries)
         if len(self.index.kda.get(h, {})) == self.num_kda:
-            return  # someone already checkpointed this exact prefix
+            if is_turn:  # someone already checkpointed this exact prefix; it is a turn for this one
+                self._turns[h] = list(hashes)
+            return
         if self.num_kda > self.pool.num_free:
             self.evict(self.num_kda - self.pool.num_free)
         if self.num_kda > self.pool.num_free:
             return  # no room for a checkpoint now; the prefix stays reachable up to its MLA pages
         pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda)]
-        self.pool.copy_pages(list(seq.kda_pages), pages)
+        self._copy(list(seq.kda_pages), pages)
         for g, page in enumerate(pages):
             self.index.register_kda(h, g, page)
         self.lru.update((p, None) for p in pages)  # the allocation's reference is the index's
+        if is_turn:
+            self._turns[h] = list(hashes)
         previous = self._last_ckpt.get(seq.seq_id)
         self._last_ckpt[seq.seq_id] = (h, done)
-        if previous is not None and not any(previous[1] == p // hb * hb for p in seq.turn_boundaries):
-            self._drop_checkpoint(previous[0])
+        if previous is not None and previous[0] not in self._turns:
+            # Superseded; while the new checkpoint's copy is pending the old one stays reachable.
+            if self._pending:
+                self._recycle.append(previous[0])
+            else:
+                self._drop_checkpoint(previous[0])
+
+    # ---- page copies -----------------------------------------------------------------------------------
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        if not self.config.defer_copies:
+            self.pool.copy_pages(src, dst)
+            return
+        self.pool.incref(src + dst)  # both ends stay allocated (and their bytes put) until the copy ran
+        self._pending += zip(src, dst)
+
+    def pending_destinations(self) -> set[int]:
+        """Pages a pending copy will overwrite: they still hold their previous owner's bytes."""
+        return {dst for _, dst in self._pending}
+
+    def pending_references(self) -> list[int]:
+        """The pool references pending copies hold (one per end per copy)."""
+        return [p for pair in self._pending for p in pair]
+
+    def flush(self) -> None:
+        """Run the pending page copies (one gather, then one scatter: every source is read before
+        any destination is written), release their references, then recycle what they superseded."""
+        if self._pending:
+            src, dst = [s for s, _ in self._pending], [d for _, d in self._pending]
+            self.pool.copy_pages(src, dst)
+            self._pending = []
+            self.pool.decref(src + dst)
+        recycle, self._recycle = self._recycle, []
+        for h in recycle:
+            self._drop_checkpoint(h)
 
     def _hold(self, pages: set[int]) -> None:
         """Take the index's reference on pages it just started to know."""
@@ -169,14 +236,34 @@ class PrefixCache:
 
     def _drop_checkpoint(self, h: bytes) -> None:
         slot = self.index.kda.get(h)
-        if slot and all(self.pool.refcount(p) == 1 for p in slot.values()):
+        if slot and h not in self._turns and all(self.pool.refcount(p) == 1 for p in slot.values()):
             self._evict_page(next(iter(slot.values())))
 
     # ---- eviction ------------------------------------------------------------------------------------------
+    def protected_pages(self) -> set[int]:
+        """Pages the turn-aware policy evicts last: each complete turn-boundary checkpoint's pages and
+        the MLA pages its prefix is read from."""
+        protected: set[int] = set()
+        for h, chain in list(self._turns.items()):
+            slot = self.index.kda.get(h)
+            if slot is None or len(slot) < self.num_kda:
+                del self._turns[h]  # evicted meanwhile
+                continue
+            match = self.index.match(chain, len(chain) * self.config.hash_block + 1, has_mla=self.num_mla > 0)
+            protected.update(slot.values())
+            if match.tokens == len(chain) * self.config.hash_block:
+                protected.update(p for pages in match.mla_pages for p in pages)
+        return protected
+
     def evict(self, num: int) -> int:
-        """Free at least `num` pages if possible, least recently used first; returns pages freed."""
+        """Free at least `num` pages if possible; returns pages freed. Only pages nobody but the
+        index holds go: least recently used first, turn-boundary prefixes last (turn_aware)."""
+        order = list(self.lru)
+        if self.config.eviction == "turn_aware" and self._turns:
+            protected = self.protected_pages()
+            order = [p for p in order if p not in protected] + [p for p in order if p in protected]
         freed = 0
-        for page in list(self.lru):
+        for page in order:
             if freed >= num:
                 break
             if page in self.lru and self.pool.refcount(page) == 1:
@@ -184,7 +271,11 @@ class PrefixCache:
         return freed
 
     def _evict_page(self, page: int) -> int:
-        siblings = self.index.forget_page(page)  # rule 3: a checkpoint's siblings go with it
+        if self.config.atomic_checkpoints:
+            siblings = self.index.forget_page(page)  # rule 3: a checkpoint's siblings go with it
+        else:
+            siblings = []
+            self.index.forget_page_alone(page)
         drop = [page] + [p for p in siblings if p in self.lru]
         for p in drop:
             self.lru.pop(p, None)
@@ -194,6 +285,9 @@ class PrefixCache:
     def check_integrity(self) -> None:
         """The index agrees with itself and holds exactly one reference on each page it knows."""
         self.index.check_integrity()
+        incomplete = {h.hex()[:8]: sorted(slot) for h, slot in self.index.kda.items() if len(slot) != self.num_kda}
+        if incomplete:
+            raise AssertionError(f"KDA checkpoints reachable in some groups only (boundary: groups): {incomplete}")
         if self.index.pages() != set(self.lru):
             raise AssertionError(f"index pages {sorted(self.index.pages())} != held pages {sorted(self.lru)}")
         for page in self.lru:

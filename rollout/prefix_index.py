@@ -170,6 +170,21 @@ class PrefixIndex:
             self._kda_key_of_page.pop(p, None)
         return siblings
 
+    def forget_page_alone(self, page: int) -> None:
+        """forget_page without rule 3 (debug only): a checkpoint page leaves its boundary's slot in
+        its own group, and the siblings stay registered."""
+        for h in self._keys_of_page.pop(page, set()):
+            pages = self.mla.pop(h, ())
+            for other in pages:
+                if other != page:
+                    self._keys_of_page.get(other, set()).discard(h)
+        h = self._kda_key_of_page.pop(page, None)
+        if h is not None:
+            slot = self.kda[h]
+            del slot[next(g for g, p in slot.items() if p == page)]
+            if not slot:
+                del self.kda[h]
+
     def pages(self) -> set[int]:
         """Every page the index references."""
         return set(self._keys_of_page) | set(self._kda_key_of_page)

@@ -80,10 +80,12 @@ class Scheduler:
                 step.num_new_tokens.append(want)
                 budget -= want
         if not step.preempted:
+            held_back = []  # waiting on a pending cache copy: admitted next step, the others go on
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if self.cache.prefix is not None:
-                    self.cache.prefix.attach(seq)  # start after the longest cached prefix
+                if self.cache.prefix is not None and self.cache.prefix.attach(seq) is None:
+                    held_back.append(self.waiting.popleft())  # start after the longest cached prefix
+                    continue
                 want = self._chunk(seq, budget)
                 if not self.cache.ensure_capacity(seq, seq.num_computed + want):
                     if seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
@@ -97,6 +99,7 @@ class Scheduler:
                 step.seqs.append(seq)
                 step.num_new_tokens.append(want)
                 budget -= want
+            self.waiting.extendleft(reversed(held_back))
         return step
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

@@ -11,6 +11,7 @@ from rl.rollout import RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
 from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
+from rollout.prefix_cache import PrefixCacheConfig
 
 
 @dataclass
@@ -33,16 +34,37 @@ if "test_flaky" not in TASKS:
     register_task("test_flaky")(Flaky)
 
 
-def engine() -> Engine:
+@dataclass
+class TwoTurns:
+    """Always two turns: whatever the first answer, the tool replies with a fixed observation."""
+    max_turns: int = 2
+    turn: int = 0
+
+    def reset(self, seed: int) -> str:
+        self.turn = 0
+        return "system: you are a tool user. question " + str(seed % 97) + "?"
+
+    def step(self, answer: str) -> StepResult:
+        self.turn += 1
+        return StepResult(" tool says: fine; now answer:", 0.0, self.turn >= 2)
+
+
+if "test_two_turns" not in TASKS:
+    register_task("test_two_turns")(TwoTurns)
+
+
+def engine(**config) -> Engine:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1)
-    return Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False, check_every_step=True))
+    return Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False, check_every_step=True,
+                                      **config))
 
 
 def driver(task="majority_digit", params=None, **kw) -> RolloutDriver:
     args = dict(group_size=4, groups_per_iteration=3, max_new_tokens=4, sampling={"temperature": 1.0}, seed=1,
                 throttle=ThrottleConfig())
+    e = kw.pop("engine", None) or engine()
     args.update(kw)
-    return RolloutDriver(kw.pop("engine", None) or engine(), ByteTokenizer(), task,
+    return RolloutDriver(e, ByteTokenizer(), task,
                          {"length": 3} if params is None and task == "majority_digit" else (params or {}), **args)
 
 
@@ -80,6 +102,31 @@ def test_multi_turn_conversation_has_observations_and_boundaries():
         assert not t.policy[b - 1] and t.policy[b]
     for t in trajs:
         check_trajectory(t, 3)
+
+
+def test_later_turns_carry_turn_boundaries_into_the_engine_and_hit_the_prefix_cache():
+    e = engine(prefix_cache=PrefixCacheConfig(hash_block=4, model_id="tiny"))
+    seen = []  # (prompt length, turn boundaries) of every request the engine received
+    add = e.add_request
+
+    def recording_add(prompt, params=None, request_id=None, turn_boundaries=()):
+        seen.append((len(prompt), tuple(turn_boundaries)))
+        return add(prompt, params, request_id, turn_boundaries)
+
+    e.add_request = recording_add
+    d = driver("test_two_turns", {}, engine=e, max_new_tokens=3)
+    e.load_weights(e.model.state_dict(), version=1)
+    d.run_iteration()
+    trajs = [t for g in d.take_finished_groups() for t in g]
+    assert len(trajs) == 12 and all(len(t.answers) == 2 for t in trajs)
+    firsts = [s for s in seen if not s[1]]
+    seconds = [s for s in seen if s[1]]
+    assert len(firsts) == 3 and len(seconds) == 12  # one forked request per group, then one per trajectory
+    for t in trajs:  # the boundary the engine got is the trajectory's: the end of the observation
+        assert (t.turn_boundaries[0], (t.turn_boundaries[0],)) in seconds
+    prefix = e.cache.prefix
+    assert prefix.hit_tokens > 0, "second turns should reuse their first turn's cache"
+    assert prefix._turns, "checkpoints at the turn boundaries should be kept"
 
 
 @pytest.mark.parametrize("mode", ["recompute", "kv"])

@@ -24,11 +24,11 @@ def sessions(num_sessions=4, turns=3, seed=0):
                     for _ in range(num_sessions)]
 
 
-def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0):
+def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, **cache_options):
     """Turn by turn, all sessions interleaved; each turn's prompt is the whole conversation so far."""
     cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
                        check_every_step=True,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny") if prefix else None)
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options) if prefix else None)
     engine = Engine(model, cfg)
     system, user_turns = sessions(seed=seed)
     history = [list(system) for _ in user_turns]
@@ -63,7 +63,7 @@ def make_verifier(model, finals):
         key = tuple(tokens)
         for i, h in enumerate(chain_hashes(tokens, HB, b"tiny|v0"), start=1):
             keys.setdefault(h, (key, i))
-    checked = {"mla": 0, "kda": 0}
+    checked = {"mla": 0, "kda": 0, "pending": 0}
 
     def verify(engine):
         cache = engine.cache.prefix
@@ -81,7 +81,11 @@ def make_verifier(model, finals):
                     want = mla[layer][block * bt:i * HB]
                     assert ((got - want).norm() / want.norm()).item() <= 1e-5, (h, layer)
             checked["mla"] += 1
+        pending = cache.pending_destinations()  # copies not run yet: unmatchable until they are (rule 2)
         for h, slot in cache.index.kda.items():
+            if pending.intersection(slot.values()):
+                checked["pending"] += 1
+                continue
             tokens, i = keys[h]
             if tokens not in refs:
                 refs[tokens] = reference(model, list(tokens))
@@ -111,7 +115,7 @@ def test_every_registered_entry_matches_a_recompute_of_its_prefix_after_every_st
     _, _, finals = run(tiny_model, prefix=True)
     verify, checked = make_verifier(tiny_model, finals)
     run(tiny_model, prefix=True, verify=verify)
-    assert checked["mla"] > 0 and checked["kda"] > 0
+    assert checked["mla"] > 0 and checked["kda"] > 0 and checked["pending"] > 0
 
 
 def test_a_small_pool_evicts_and_still_decodes_exactly(tiny_model):
@@ -173,3 +177,106 @@ def test_random_sessions_budgets_and_pools(tiny_model, seed, budget, pages):
     assert cached == history
     verify, checked = make_verifier(tiny_model, finals)
     run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, verify=verify)
+
+
+def _pending_copy_scenario(model, exclude: bool):
+    """A's prefill (16-token chunks) has just checkpointed at 32, its copy still pending, when B
+    (A's first 32 tokens + its own) arrives. Returns (B's output, reference output, engine)."""
+    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=16, show_progress=False,
+                       check_every_step=True,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", exclude_pending=exclude))
+    engine = Engine(model, cfg)
+    rng = random.Random(7)
+    a = [rng.randrange(256) for _ in range(40)]
+    b = a[:32] + [rng.randrange(256) for _ in range(9)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.add_request(a, params, request_id="a")
+    engine.step(), engine.step()  # A computed [0, 32): its checkpoint at 32 is registered, copy pending
+    assert engine.cache.prefix.pending_destinations(), "the scenario needs a pending checkpoint copy"
+    engine.add_request(b, params, request_id="b")
+    outs = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outs[out.request_id] = out
+    (expected,) = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False)).generate([b], params)
+    return outs["b"].samples[0], expected.samples[0], engine
+
+
+def test_rule2_pending_copies_never_match(tiny_model):
+    got, expected, engine = _pending_copy_scenario(tiny_model, exclude=True)
+    prefix = engine.cache.prefix
+    assert prefix.deferred_admissions >= 1, "B should wait one step for the checkpoint, not recompute"
+    assert prefix.hit_tokens == 32
+    assert got.tokens == expected.tokens
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), rtol=1e-5, atol=1e-6)
+    # Without the rule B copies the checkpoint page before the copy into it has run: stale bytes.
+    got, expected, engine = _pending_copy_scenario(tiny_model, exclude=False)
+    assert engine.cache.prefix.hit_tokens == 32
+    assert not torch.allclose(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), rtol=1e-5, atol=1e-6), \
+        "B read the checkpoint's previous bytes, yet its logprobs came out right"
+
+
+def _cache_one_prompt(model, atomic: bool):
+    """Prefill a 40-token prompt in 16-token chunks: checkpoints at 16 (recycled once the one at 32
+    exists) and 32, in each of the 3 KDA groups."""
+    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=16, show_progress=False,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction="lru",
+                                                      atomic_checkpoints=atomic))
+    engine = Engine(model, cfg)
+    prompt = [random.Random(3).randrange(256) for _ in range(40)]
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    return engine, engine.cache.prefix, chain_hashes(prompt, HB, engine.cache.prefix.salt)
+
+
+def test_rule3_a_checkpoint_is_evicted_in_every_group_or_none(tiny_model):
+    engine, prefix, hashes = _cache_one_prompt(tiny_model, atomic=True)
+    assert list(prefix.index.kda) == [hashes[1]] and len(prefix.index.kda[hashes[1]]) == 3
+    assert engine.pool.num_used == 4  # one MLA page + the checkpoint at 32 in 3 groups
+    engine.check_integrity()
+    prefix.evict(2)  # the MLA page, then one checkpoint page: its siblings go with it
+    assert not prefix.index.kda and engine.pool.num_used == 0
+    engine.check_integrity()
+    # Without the rule, recycling the checkpoint at 16 dropped it in one group only: the other two
+    # groups keep halves of a state no lookup can use, the index claims a boundary it cannot serve,
+    # and those pages stay out of the free list.
+    engine, prefix, hashes = _cache_one_prompt(tiny_model, atomic=False)
+    assert len(prefix.index.kda[hashes[0]]) == 2 and engine.pool.num_used == 6
+    assert prefix.index.match(hashes[:1], HB + 1, has_mla=False).tokens == 0
+    with pytest.raises(AssertionError, match="some groups only"):
+        engine.check_integrity()
+
+
+def _turn_then_pressure(model, eviction: str) -> tuple[int, list[int], list[int]]:
+    """A conversation's first turn ends at a turn boundary; unrelated prompts then cycle the small
+    pool; the second turn arrives. Returns (its hit length, its output, the no-cache output)."""
+    cfg = EngineConfig(num_pages=22, max_model_len=200, max_num_batched_tokens=256, show_progress=False,
+                       check_every_step=True,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction=eviction))
+    engine = Engine(model, cfg)
+    rng = random.Random(11)
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    first = [rng.randrange(256) for _ in range(48)]
+    engine.add_request(first, params, request_id="turn1", turn_boundaries=[48])
+    (out,) = [o for _ in range(10) for o in engine.step()][:1]
+    for i in range(5):
+        engine.generate([[rng.randrange(256) for _ in range(100)]], params)
+    second = first + out.samples[0].tokens + [rng.randrange(256) for _ in range(20)]
+    before = engine.cache.prefix.hit_tokens
+    engine.add_request(second, params, request_id="turn2", turn_boundaries=[48, len(second)])
+    outs = [o for _ in range(30) for o in engine.step()]
+    (expected,) = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False)).generate([second], params)
+    return engine.cache.prefix.hit_tokens - before, outs[0].samples[0].tokens, expected.samples[0].tokens
+
+
+def test_turn_boundary_checkpoints_outlive_other_cached_pages(tiny_model):
+    hit, got, expected = _turn_then_pressure(tiny_model, "turn_aware")
+    assert hit == 48 and got == expected
+    hit, got, expected = _turn_then_pressure(tiny_model, "lru")  # plain LRU: the old turn is gone
+    assert hit == 0 and got == expected
+
+
+def test_immediate_copies_give_the_same_generation(tiny_model):
+    _, history, _ = run(tiny_model, prefix=False, num_pages=30)
+    engine, cached, _ = run(tiny_model, prefix=True, num_pages=30, defer_copies=False)
+    assert cached == history and engine.cache.prefix.hit_tokens > 0
+    assert not engine.cache.prefix.pending_references() and engine.cache.prefix.deferred_admissions == 0
