@@ -174,4 +174,5 @@ class HostLedger:
                                        f"(held {replay[e.consumer]}, total {total})")
                 last_s = e.time_s
             if {c: n for c, n in replay.items() if n} != self._holdings:
-                raise RuntimeError(f"host ledger integrity: replayed events give {replay}, holdings are {self._holdings}")
+                raise RuntimeError(f"host ledger integrity: replayed events give {replay}, "
+                                   f"holdings are {self._holdings}")

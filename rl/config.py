@@ -106,10 +106,16 @@ class MemoryConfig:
     """Device page pool of the rollout engine, MiB."""
     release_pool_in_train: bool = True
     """Release the engine's pool while training (colocated: training gets the memory back)."""
+    reference: str = "stream"
+    """Where the KL reference model's weights live: "stream" (host, copied chunk by chunk into the
+    trainer's idle gradient slots for its forward: trainer/ref_stream.py) or "resident" (a whole
+    second model on the device)."""
 
     def __post_init__(self) -> None:
         if self.pool_mb < 1:
             raise ValueError(f"memory.pool_mb={self.pool_mb}, expected >= 1")
+        if self.reference not in ("stream", "resident"):
+            raise ValueError(f"memory.reference={self.reference!r}, expected 'stream' or 'resident'")
 
 
 @dataclass(frozen=True, kw_only=True)

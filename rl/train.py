@@ -28,6 +28,7 @@ from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
 from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
+from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer, TrainerConfig
 
 register_configs()
@@ -65,6 +66,10 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
                       resume_from_iteration=resume_from)
     ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None
+    if ref is not None and cfg.memory.reference == "stream":
+        # Host copies per VPP chunk, streamed through the trainer's idle gradient slots; the
+        # resident model built above is dropped here.
+        ref = StreamedReference(ref, trainer.arena, t.num_chunks)
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,

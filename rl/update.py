@@ -18,6 +18,7 @@ from models.model import HybridLM
 from rl.rollout import Trajectory
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, lookup, rl_loss
+from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
 
 
@@ -42,8 +43,17 @@ class PackedBatch:
         return len(self.trajectories)
 
 
-def reference_logprobs(ref_model: HybridLM, batch: PackedBatch, num_chunks: int) -> torch.Tensor:
-    """log p_ref(target) for every packed row (the frozen reference policy, for the KL term)."""
+def reference_logprobs(ref_model: HybridLM | StreamedReference, batch: PackedBatch,
+                       num_chunks: int) -> torch.Tensor:
+    """log p_ref(target) for every packed row (the frozen reference policy, for the KL term).
+
+    A `StreamedReference` borrows the trainer's gradient slots, so call this between training
+    steps (before `policy_update`); a resident `HybridLM` (memory.reference=resident) is its twin:
+    the same chunk split and ops, equal logprobs bit for bit on CPU fp32."""
+    if isinstance(ref_model, StreamedReference):
+        if ref_model.num_chunks != num_chunks:
+            raise ValueError(f"streamed reference split into {ref_model.num_chunks} chunks, trainer uses {num_chunks}")
+        return ref_model.logprobs(batch.token_ids, batch.seq_lens, batch.targets)
     return ChunkedModel(ref_model, num_chunks).forward_logprobs(batch.token_ids, batch.seq_lens, batch.targets)
 
 
