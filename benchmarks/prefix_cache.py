@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from memory.layout import CacheLayout
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -40,10 +41,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_tokens: int, pages: int,
-        eviction: str = "turn_aware"):
-    cache = PrefixCacheConfig(hash_block=hash_block, model_id="tiny", eviction=eviction) if hash_block else None
+        eviction: str = "turn_aware", host_pages: int = 0, host_mode: str = "write_back"):
+    """The trace through one engine; returns (engine, [(prompt, oracle prefix)], hit tokens, tokens computed)."""
+    cache = (PrefixCacheConfig(hash_block=hash_block, model_id="tiny", eviction=eviction, host_mode=host_mode)
+             if hash_block else None)
+    page_bytes = CacheLayout.for_model(model.config).page_bytes
     cfg = EngineConfig(num_pages=pages, max_model_len=1024, max_num_batched_tokens=512, show_progress=False,
-                       prefix_cache=cache)
+                       prefix_cache=cache, host_pool_bytes=host_pages * page_bytes)
     engine = Engine(model, cfg)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     history = [list(system) for _ in users]

@@ -240,6 +240,26 @@ class PagePool:
             dst_t = torch.tensor(dst, device=self.device)
             self._buffer.index_copy_(0, dst_t, self._buffer.index_select(0, src_t))
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of the pages' bytes, uint8 [len(pages), page_bytes] (one gather), for a host tier."""
+        self._check_awake("read_pages")
+        pages = [self._check_used(page, "read_pages") for page in pages]
+        return self._buffer.index_select(0, torch.tensor(pages, dtype=torch.long, device=self.device))
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Overwrite the pages with `data` uint8 [len(pages), page_bytes] (one scatter; `data` may live
+        on another device, e.g. host memory). Pages must be in use and distinct."""
+        self._check_awake("write_pages")
+        pages = [self._check_used(page, "write_pages") for page in pages]
+        if tuple(data.shape) != (len(pages), self.layout.page_bytes) or data.dtype != torch.uint8:
+            raise ValueError(f"page pool: write_pages got {data.dtype} {tuple(data.shape)}, expected uint8 "
+                             f"{(len(pages), self.layout.page_bytes)}")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"page pool: write_pages pages {pages} have duplicates, expected distinct pages")
+        if pages:
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
+            self._buffer.index_copy_(0, index, data.to(self.device, non_blocking=True))
+
     # ---- sleep / wake ---------------------------------------------------------------------------
     def release(self) -> None:
         """Sleep: free the buffer's memory (its storage is resized to 0 bytes, so memory is freed even

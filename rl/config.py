@@ -66,10 +66,15 @@ class RolloutConfig:
     """Partial rollouts: rollout seconds per iteration; None = no time budget."""
     partial_resume: str = "recompute"
     """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
-    weights) or "kv" (the kept, stale KV; needs memory.release_pool_in_train=false)."""
+    weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so it
+    needs memory.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
     max_model_len: int = 256
     max_num_batched_tokens: int = 1024
     kernel_impl: str | None = None
+    prefix_hash_block: int | None = None
+    """Prefix cache: tokens per hash block (must divide the pool's page of block_tokens tokens);
+    null = no prefix cache. Reuse holds within an iteration (new weights never hit old prefixes):
+    later turns of a conversation and prompts shared across groups."""
 
     def __post_init__(self) -> None:
         if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
@@ -92,6 +97,8 @@ class RolloutConfig:
             # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
             raise ValueError(f"rollout.temperature={self.temperature}: only 1.0 is supported for training for now "
                              f"(the trainer's logprobs are not temperature-scaled yet)")
+        if self.prefix_hash_block is not None and self.prefix_hash_block < 1:
+            raise ValueError(f"rollout.prefix_hash_block={self.prefix_hash_block}, expected >= 1 or null (no cache)")
         if self.partial_resume not in ("recompute", "kv"):
             raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
 
@@ -110,10 +117,19 @@ class MemoryConfig:
     """Where the KL reference model's weights live: "stream" (host, copied chunk by chunk into the
     trainer's idle gradient slots for its forward: trainer/ref_stream.py) or "resident" (a whole
     second model on the device)."""
+    host_pool_mb: int = 0
+    """Host KV pool, MiB (leased from the host-DRAM ledger): the prefix cache's second tier, and
+    where paused partial rollouts wait while the device pool is released; 0 = none."""
+    host_budget_mb: int | None = None
+    """Host-DRAM ledger budget, MiB; null = MemAvailable less a 10% reserve."""
 
     def __post_init__(self) -> None:
         if self.pool_mb < 1:
             raise ValueError(f"memory.pool_mb={self.pool_mb}, expected >= 1")
+        if self.host_pool_mb < 0:
+            raise ValueError(f"memory.host_pool_mb={self.host_pool_mb}, expected >= 0 (0 = no host KV pool)")
+        if self.host_budget_mb is not None and self.host_budget_mb < 1:
+            raise ValueError(f"memory.host_budget_mb={self.host_budget_mb}, expected >= 1 or null (MemAvailable)")
         if self.reference not in ("stream", "resident"):
             raise ValueError(f"memory.reference={self.reference!r}, expected 'stream' or 'resident'")
 
@@ -168,10 +184,11 @@ class RunConfig:
     """Continue from the last complete iteration in run_dir."""
 
     def __post_init__(self) -> None:
-        if self.rollout.partial_resume == "kv" and self.memory.release_pool_in_train:
-            raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV in the device pool, but "
-                             "memory.release_pool_in_train=true frees it for training; set one of them differently "
-                             "(the host KV pool that lifts this lands with the memory phases)")
+        if (self.rollout.partial_resume == "kv" and self.memory.release_pool_in_train
+                and self.memory.host_pool_mb == 0):
+            raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
+                             "memory.release_pool_in_train=true frees the device pool for training and there is no "
+                             "host KV pool to park it in; set memory.host_pool_mb > 0 or release_pool_in_train=false")
 
 
 def _writable(node: Any) -> None:

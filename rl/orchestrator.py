@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from memory.host_ledger import HostLedger
 from models.model import HybridLM
 from rl.checkpoint import save_iteration
 from rl.rollout import RolloutDriver
@@ -23,6 +24,7 @@ from rl.tracking import Tracker
 from rl.update import PackedBatch, policy_update, reference_logprobs
 from rollout.engine import Engine
 from trainer.losses import LossConfig
+from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
 
 
@@ -40,7 +42,8 @@ class Phases:
     def memory(self) -> dict[str, int]:
         pool = 0 if self.engine.pool.is_released else self.engine.pool.num_pages * self.engine.layout.page_bytes
         weights = _tensor_bytes(self.policy.parameters()) + _tensor_bytes(self.engine.model.parameters())
-        return {"device_pool": pool, "host_pool": 0, "train_device": weights,
+        host_pool = self.engine.host.pool_bytes if self.engine.host is not None else 0
+        return {"device_pool": pool, "host_pool": host_pool, "train_device": weights,
                 "train_host": self.trainer.optimizer.host_bytes(), "train_disk": 0}
 
     def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
@@ -66,8 +69,10 @@ class LoopParts:
     num_chunks: int
     micro_batch_tokens: int | None
     release_pool: bool
-    ref_model: HybridLM | None
+    ref_model: "HybridLM | StreamedReference | None"
     checkpoint_dir: Path
+    ledger: HostLedger | None = None
+    """Host-DRAM ledger every host consumer leases from (KV pool, reference, training states)."""
 
 
 def run_loop(parts: LoopParts, start: int, iterations: int,

@@ -18,6 +18,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from memory.host_ledger import HostLedger
 from models.checkpoint import load_weights
 from models.model import HybridLM
 from models.tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
 from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
+from rollout.prefix_cache import PrefixCacheConfig
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer, TrainerConfig
 
@@ -47,10 +49,13 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
     policy = initial_policy(cfg)
     engine_model = HybridLM(cfg.model)
     engine_model.load_state_dict(policy.state_dict())
+    ledger = HostLedger(None if cfg.memory.host_budget_mb is None else cfg.memory.host_budget_mb << 20)
     engine = Engine(engine_model, EngineConfig(
         max_model_len=cfg.rollout.max_model_len, pool_bytes=cfg.memory.pool_mb << 20,
         max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
-        seed=cfg.seed, show_progress=False))
+        seed=cfg.seed, show_progress=False, host_pool_bytes=cfg.memory.host_pool_mb << 20,
+        prefix_cache=(PrefixCacheConfig(hash_block=cfg.rollout.prefix_hash_block, model_id="policy")
+                      if cfg.rollout.prefix_hash_block else None)), ledger=ledger)
     t = cfg.trainer
     trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
                                             optimizer=t.optimizer, max_bad_steps=t.max_bad_steps))
@@ -69,11 +74,11 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
     if ref is not None and cfg.memory.reference == "stream":
         # Host copies per VPP chunk, streamed through the trainer's idle gradient slots; the
         # resident model built above is dropped here.
-        ref = StreamedReference(ref, trainer.arena, t.num_chunks)
+        ref = StreamedReference(ref, trainer.arena, t.num_chunks, ledger=ledger)
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
-                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints")
+                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger)
 
 
 def _last_complete(run_dir: Path) -> int | None:

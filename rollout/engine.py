@@ -5,9 +5,11 @@
 
 `step()` is the whole pipeline, nano-vllm style: schedule -> run the model on pool pages ->
 sample / fork / finish. Requests can be aborted, paused and resumed; `sleep()` hands the device
-pool back (every cached token is dropped, nothing generated is lost: sequences are recomputed
-after `wake()`); `load_weights` installs a new policy version (tokens record which version
-sampled them, so partial rollouts that span versions stay attributable).
+pool back (nothing generated is lost: running sequences are recomputed after `wake()`; with a host
+KV pool, paused sequences' pages and the prefix cache's turn-boundary entries are written to host
+memory first and come back on `wake()` / on their next hit); `load_weights` installs a new policy
+version (tokens record which version sampled them, so partial rollouts that span versions stay
+attributable).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch
 from rich.progress import Progress
 
 from kernels.impl import check_impl, default_impl
+from memory.host_ledger import HostLedger
+from memory.host_pool import HostPagePool
 from memory.layout import CacheLayout
 from memory.page_pool import OutOfPages, PagePool
 from models.model import HybridLM
@@ -55,6 +59,9 @@ class EngineConfig:
     """Progress bar in generate()."""
     prefix_cache: PrefixCacheConfig | None = None
     """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
+    host_pool_bytes: int = 0
+    """Host KV pool (memory/host_pool.py): the prefix cache's second tier and where paused
+    sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given."""
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -66,7 +73,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: HybridLM, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
@@ -74,7 +81,11 @@ class Engine:
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
                      else PagePool.from_bytes(self.layout, config.pool_bytes, device))
-        prefix = PrefixCache(self.pool, config.prefix_cache) if config.prefix_cache is not None else None
+        self.host = (HostPagePool.from_bytes(self.layout.page_bytes, config.host_pool_bytes, ledger=ledger,
+                                             pin_memory=device.type == "cuda")
+                     if config.host_pool_bytes else None)
+        self._parked: dict[int, tuple[list[int], list[list[int]]]] = {}  # paused seq -> host pages, over a sleep
+        prefix = PrefixCache(self.pool, config.prefix_cache, self.host) if config.prefix_cache is not None else None
         self.cache = CacheManager(self.pool, prefix)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
@@ -261,16 +272,66 @@ class Engine:
 
     # ---- memory and weights ----------------------------------------------------------------------------
     def sleep(self) -> None:
-        """Release the device pool. Running sequences keep their tokens and are recomputed after wake()."""
+        """Release the device pool. Running sequences keep their tokens and are recomputed after
+        wake(). With a host pool, paused sequences' pages are parked there and restored by wake()
+        (bit for bit), and the prefix cache writes its turn-boundary entries back; the rest of the
+        device tier is dropped."""
+        if self.cache.prefix is not None:
+            self.cache.prefix.flush()
+        if self.host is not None:
+            self._park_paused()
         self.scheduler.preempt_all()
         if self.cache.prefix is not None:
-            self.cache.prefix.clear()  # cached pages live in the device pool (the host KV pool will keep them)
+            self.cache.prefix.sleep()
         self.pool.release()
         self.runner.invalidate_views()
 
     def wake(self) -> None:
         self.pool.reacquire()
         self.runner.invalidate_views()
+        if self._parked:
+            self._unpark()
+
+    def _park_paused(self) -> None:
+        """Copy every paused sequence's pages to the host pool (a page shared by forks once) and
+        drop their device references; a sequence the host pool cannot take is recomputed later."""
+        host, pool = self.host, self.pool
+        slot_of: dict[int, int] = {}
+        for seq in [s for s in self.scheduler.paused if s.holds_pages]:
+            pages = seq.kda_pages + [p for group in seq.mla_pages for p in group]
+            new = list(dict.fromkeys(p for p in pages if p not in slot_of))
+            if len(new) > host.num_free and self.cache.prefix is not None:
+                self.cache.prefix.make_host_room(len(new))  # parked work before cached prefixes
+            if len(new) > host.num_free:
+                continue  # preempt_all() frees it: recomputed after resume
+            slots = [host.allocate(1, pool.group_of_page(p))[0] for p in new]
+            host.store(slots, pool, new)
+            slot_of.update(zip(new, slots))
+            self._parked[seq.seq_id] = ([slot_of[p] for p in seq.kda_pages],
+                                        [[slot_of[p] for p in group] for group in seq.mla_pages])
+            self.cache.free(seq)
+
+    def _unpark(self) -> None:
+        host, pool = self.host, self.pool
+        seqs = {s.seq_id: s for s in self.scheduler.paused}
+        page_of: dict[int, int] = {}  # host page -> its restored device page
+        for seq_id, (kda, mla) in self._parked.items():
+            seq = seqs.get(seq_id)
+            if seq is None or seq.holds_pages:  # aborted meanwhile
+                continue
+            slots = list(dict.fromkeys(kda + [s for group in mla for s in group]))
+            new = [s for s in slots if s not in page_of]
+            if len(new) > pool.num_free:
+                seq.num_computed = 0  # no room: recomputed after resume
+                continue
+            fresh = [pool.allocate(1, host.tag(s))[0] for s in new]
+            host.load(new, pool, fresh)
+            pool.incref([page_of[s] for s in slots if s not in new])  # shared with an earlier fork
+            page_of.update(zip(new, fresh))
+            seq.kda_pages = [page_of[s] for s in kda]
+            seq.mla_pages = [[page_of[s] for s in group] for group in mla]
+        host.free(sorted({s for kda, mla in self._parked.values() for s in kda + [x for g in mla for x in g]}))
+        self._parked.clear()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Install new policy weights (our parameter names, strict) and tag later tokens with `version`."""

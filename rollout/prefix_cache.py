@@ -23,8 +23,10 @@ Debug flags switch each concurrency rule off, for the tests that show why it exi
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from memory.host_pool import HostPagePool
 from memory.page_pool import PagePool
 from rollout.prefix_index import PrefixIndex, cache_salt, chain_hashes
 from rollout.request import Sequence
@@ -48,8 +50,14 @@ class PrefixCacheConfig:
     atomic_checkpoints: bool = True
     """Rule 3: evicting a checkpoint page evicts its siblings in the other KDA groups. Off only in
     tests that show why."""
+    host_mode: str = "write_back"
+    """With a host tier: "write_back" copies a page to host memory only when the device pool evicts
+    it; "write_through" (the baseline) copies every page when it is registered (again as its
+    registered end advances), so eviction finds it there already."""
 
     def __post_init__(self) -> None:
+        if self.host_mode not in ("write_back", "write_through"):
+            raise ValueError(f"host_mode={self.host_mode!r}, expected 'write_back' or 'write_through'")
         if self.hash_block < 1:
             raise ValueError(f"hash_block={self.hash_block}, expected >= 1")
         if self.eviction not in ("turn_aware", "lru"):
@@ -57,7 +65,7 @@ class PrefixCacheConfig:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, config: PrefixCacheConfig) -> None:
+    def __init__(self, pool: PagePool, config: PrefixCacheConfig, host: HostPagePool | None = None) -> None:
         layout = pool.layout
         if layout.block_tokens % config.hash_block:
             raise ValueError(f"the pool's block_tokens={layout.block_tokens} is not a multiple of "
@@ -66,7 +74,17 @@ class PrefixCache:
         self.num_kda, self.num_mla = len(layout.kda_groups), len(layout.mla_groups)
         self.index = PrefixIndex(config.hash_block, layout.block_tokens, self.num_kda)
         self.version = 0
-        self.lru: OrderedDict[int, None] = OrderedDict()  # pages the index holds a reference to
+        self.lru: OrderedDict[int, None] = OrderedDict()  # device pages the index holds a reference to
+        self.host = host
+        self.num_device = pool.num_pages  # index locations >= this are host pages (location - num_device)
+        self.host_lru: OrderedDict[int, None] = OrderedDict()  # host locations the index reads
+        self._mirror: dict[int, int] = {}  # device page -> host page holding the same (registered) bytes
+        self._pending_in: list[tuple[int, int]] = []  # (host page, device page) prefetch copies
+        self._pending_out: list[tuple[int, int]] = []  # (device page, host page) write-through copies
+        self._host_pinned: set[int] = set()  # host locations being prefetched: never dropped meanwhile
+        self._registered: dict[int, int] = {}  # seq_id -> tokens registered so far (write-through)
+        self.pages_written_back = 0
+        self.pages_prefetched = 0
         self._hashes: dict[int, list[bytes]] = {}  # seq_id -> chain over its computed tokens
         self._last_ckpt: dict[int, tuple[bytes, int]] = {}  # seq_id -> (hash, position) of its newest checkpoint
         self._turns: dict[bytes, list[bytes]] = {}  # turn-boundary checkpoint -> the hash chain up to it
@@ -88,14 +106,19 @@ class PrefixCache:
             self.version = version
 
     def clear(self) -> None:
-        """Drop the whole index (its references go; pages sequences still hold stay)."""
+        """Drop the whole index on both tiers (its references go; pages sequences still hold stay)."""
         self.flush()
         pages = list(self.lru)
+        if self.host is not None:
+            self.host.free([loc - self.num_device for loc in self.host_lru] + list(self._mirror.values()))
         self.lru.clear()
+        self.host_lru.clear()
+        self._mirror.clear()
         self.index = PrefixIndex(self.config.hash_block, self.pool.layout.block_tokens, self.num_kda)
         self._hashes.clear()
         self._last_ckpt.clear()
         self._turns.clear()
+        self._registered.clear()
         if pages:
             self.pool.decref(pages)
 
@@ -114,6 +137,7 @@ class PrefixCache:
         """The sequence is gone (finished, aborted) or restarts: drop its per-sequence state."""
         self._hashes.pop(seq.seq_id, None)
         self._last_ckpt.pop(seq.seq_id, None)
+        self._registered.pop(seq.seq_id, None)
 
     # ---- admission -----------------------------------------------------------------------------------
     def attach(self, seq: Sequence) -> int | None:
@@ -128,6 +152,13 @@ class PrefixCache:
         if excluded and self.index.match(hashes, seq.num_tokens, has_mla=has_mla).tokens > match.tokens:
             self.deferred_admissions += 1
             return None
+        on_host = [p for p in self._match_locations(match) if p >= self.num_device]
+        if on_host:  # bring them back before the forward pass; the sequence waits a step, others go on
+            if self._prefetch(on_host):
+                self.deferred_admissions += 1
+                return None
+            match = self.index.match(hashes, seq.num_tokens, has_mla=has_mla,
+                                     excluded=set(excluded) | set(self.host_lru))  # device tier only
         self.lookups += 1
         if not match.tokens:
             return 0
@@ -173,6 +204,11 @@ class PrefixCache:
             block_pages = [tuple(seq.mla_pages[g][j] for g in range(self.num_mla))
                            for j in range(len(seq.mla_pages[0]))]
             self._hold(self.index.register_mla(hashes, 0, block_pages))
+            if self._write_through:  # the pages whose registered end advanced, again
+                bt, first = self.pool.layout.block_tokens, self._registered.get(seq.seq_id, 0)
+                touched = [p for pages in block_pages[first // bt:(done + bt - 1) // bt] for p in pages]
+                self._mirror_now([p for p in touched if p in self.lru])
+        self._registered[seq.seq_id] = done
         if done == 0 or done % hb or not self.num_kda:
             return
         h = hashes[-1]
@@ -181,8 +217,13 @@ class PrefixCache:
             if is_turn:  # someone already checkpointed this exact prefix; it is a turn for this one
                 self._turns[h] = list(hashes)
             return
+        companion = list(self.index.mla.get(h, ())) if self.num_mla else []
+        if any(p >= self.num_device for p in companion):
+            return  # its MLA pages live on the host tier: a checkpoint never sits on another tier
         if self.num_kda > self.pool.num_free:
+            self.pool.incref(companion)  # the checkpoint's MLA pages stay on this tier meanwhile
             self.evict(self.num_kda - self.pool.num_free)
+            self.pool.decref(companion)
         if self.num_kda > self.pool.num_free:
             return  # no room for a checkpoint now; the prefix stays reachable up to its MLA pages
         pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda)]
@@ -190,6 +231,8 @@ class PrefixCache:
         for g, page in enumerate(pages):
             self.index.register_kda(h, g, page)
         self.lru.update((p, None) for p in pages)  # the allocation's reference is the index's
+        if self._write_through:
+            self._mirror_now(pages)
         if is_turn:
             self._turns[h] = list(hashes)
         previous = self._last_ckpt.get(seq.seq_id)
@@ -211,23 +254,152 @@ class PrefixCache:
 
     def pending_destinations(self) -> set[int]:
         """Pages a pending copy will overwrite: they still hold their previous owner's bytes."""
-        return {dst for _, dst in self._pending}
+        return {dst for _, dst in self._pending} | {dst for _, dst in self._pending_in}
 
     def pending_references(self) -> list[int]:
-        """The pool references pending copies hold (one per end per copy)."""
-        return [p for pair in self._pending for p in pair]
+        """The device pool references pending copies hold (one per device end per copy)."""
+        return ([p for pair in self._pending for p in pair] + [d for _, d in self._pending_in]
+                + [d for d, _ in self._pending_out])
 
     def flush(self) -> None:
-        """Run the pending page copies (one gather, then one scatter: every source is read before
-        any destination is written), release their references, then recycle what they superseded."""
+        """Run the pending copies: device pages (one gather, then one scatter: every source is read
+        before any destination is written), then prefetches from the host, then write-through copies
+        to the host; release their references, then recycle what they superseded."""
         if self._pending:
             src, dst = [s for s, _ in self._pending], [d for _, d in self._pending]
             self.pool.copy_pages(src, dst)
             self._pending = []
             self.pool.decref(src + dst)
+        if self._pending_in:
+            slots, dst = [h for h, _ in self._pending_in], [d for _, d in self._pending_in]
+            self.host.load(slots, self.pool, dst)
+            self._pending_in = []
+            self.pool.decref(dst)
+        if self._pending_out:
+            src, slots = [d for d, _ in self._pending_out], [h for _, h in self._pending_out]
+            self.host.store(slots, self.pool, src)
+            self._pending_out = []
+            self.pool.decref(src)
         recycle, self._recycle = self._recycle, []
         for h in recycle:
             self._drop_checkpoint(h)
+
+    # ---- the host tier -------------------------------------------------------------------------------
+    @property
+    def _write_through(self) -> bool:
+        return self.host is not None and self.config.host_mode == "write_through"
+
+    def _match_locations(self, match) -> list[int]:
+        return [p for pages in match.mla_pages for p in pages] + list(match.kda_pages)
+
+    def bundle(self, location: int) -> list[int]:
+        """The locations that move between tiers (or go) together with `location`: an MLA page
+        tuple (one page per MLA group, one physical block) and every KDA checkpoint (all groups)
+        at a boundary inside it. A checkpoint thus always sits on the tier of the MLA pages of its
+        last block, and a checkpoint without MLA keys is unreachable (it goes alone, with siblings)."""
+        idx = self.index
+        h = idx._kda_key_of_page.get(location)
+        if h is not None:
+            pages = idx.mla.get(h) if self.num_mla else None
+            if pages is None:
+                return list(idx.kda[h].values())
+        else:
+            pages = idx.mla[next(iter(idx._keys_of_page[location]))]
+        out = list(pages)
+        for key in idx._keys_of_page.get(pages[0], ()):
+            out += [p for p in idx.kda.get(key, {}).values() if p not in out]
+        return out
+
+    def _host_room(self, num: int, keep: Iterable[int] = ()) -> bool:
+        """Make `num` host pages free: clean copies of device pages (but those of `keep`) first,
+        then the least recently used host bundles (never one being prefetched). False if impossible."""
+        host = self.host
+        keep = set(keep) | {d for _, d in self._pending_in} | {d for d, _ in self._pending_out}  # copies in flight
+        for page in [p for p in self._mirror if p not in keep]:
+            if host.num_free >= num:
+                break
+            host.free([self._mirror.pop(page)])
+        for loc in list(self.host_lru):
+            if host.num_free >= num:
+                break
+            if loc in self.host_lru:
+                group = self.bundle(loc)
+                if not self._host_pinned.intersection(group):
+                    self._drop(group)
+        return host.num_free >= num
+
+    def make_host_room(self, num: int) -> bool:
+        """Free `num` host pages for someone else (the engine parking paused sequences)."""
+        return self._host_room(num)
+
+    def sleep(self) -> None:
+        """The device pool is about to be released: with a host tier, write the turn-boundary
+        entries back (what later turns will need); drop every other device entry. Host entries stay."""
+        self.flush()
+        if self.host is not None:
+            protected = self.protected_pages()
+            for page in [p for p in self.lru if p in protected]:
+                if page in self.lru and self.pool.refcount(page) == 1:
+                    group = self.bundle(page)
+                    if all(self.pool.refcount(p) == 1 for p in group):
+                        self._write_back(group)
+        self._drop(list(self.lru))
+        self._hashes.clear()
+        self._last_ckpt.clear()
+        self._registered.clear()
+
+    def _write_back(self, device_pages: list[int]) -> int:
+        """Move a device bundle to the host tier (copying only pages without a clean host copy);
+        returns the device pages freed, 0 if the host tier cannot take it."""
+        copy = [p for p in device_pages if p not in self._mirror]
+        if not self._host_room(len(copy), keep=device_pages):
+            return 0
+        slots = [self.host.allocate(1, self.pool.group_of_page(p))[0] for p in copy]
+        self.host.store(slots, self.pool, copy)
+        self._mirror.update(zip(copy, slots))
+        for p in device_pages:
+            loc = self.num_device + self._mirror.pop(p)
+            self.index.relocate(p, loc)
+            self.lru.pop(p)
+            self.host_lru[loc] = None
+        self.pages_written_back += len(copy)
+        return len(self.pool.decref(device_pages))
+
+    def _prefetch(self, locations: list[int]) -> bool:
+        """Queue host -> device copies of the bundles holding `locations` (run by the next flush());
+        the index reads the new device pages at once, which rule 2 keeps unmatched until then."""
+        group = []
+        for loc in locations:
+            group += [p for p in self.bundle(loc) if p not in group]
+        self._host_pinned.update(group)
+        try:
+            if len(group) > self.pool.num_free:
+                self.evict(len(group) - self.pool.num_free)
+            if len(group) > self.pool.num_free:
+                return False
+        finally:
+            self._host_pinned.difference_update(group)
+        slots = [loc - self.num_device for loc in group]
+        dev = [self.pool.allocate(1, self.host.tag(slot))[0] for slot in slots]
+        for loc, slot, page in zip(group, slots, dev):
+            self.index.relocate(loc, page)
+            self.host_lru.pop(loc)
+            self.lru[page] = None
+            self._mirror[page] = slot  # the host copy stays, clean: evicting it again costs no copy
+        self.pool.incref(dev)  # the pending copies' references
+        self._pending_in += zip(slots, dev)
+        self.pages_prefetched += len(dev)
+        return True
+
+    def _mirror_now(self, device_pages: list[int]) -> None:
+        """Write-through: queue a copy of each page to its host mirror (allocated on first use)."""
+        for p in device_pages:
+            if p not in self._mirror:
+                if not self._host_room(1):
+                    continue
+                self._mirror[p] = self.host.allocate(1, self.pool.group_of_page(p))[0]
+            self.pool.incref([p])
+            self._pending_out.append((p, self._mirror[p]))
 
     def _hold(self, pages: set[int]) -> None:
         """Take the index's reference on pages it just started to know."""
@@ -236,8 +408,9 @@ class PrefixCache:
 
     def _drop_checkpoint(self, h: bytes) -> None:
         slot = self.index.kda.get(h)
-        if slot and h not in self._turns and all(self.pool.refcount(p) == 1 for p in slot.values()):
-            self._evict_page(next(iter(slot.values())))
+        if slot and h not in self._turns and all(p >= self.num_device or self.pool.refcount(p) == 1
+                                                 for p in slot.values()):
+            self._drop([next(iter(slot.values()))])
 
     # ---- eviction ------------------------------------------------------------------------------------------
     def protected_pages(self) -> set[int]:
@@ -256,8 +429,9 @@ class PrefixCache:
         return protected
 
     def evict(self, num: int) -> int:
-        """Free at least `num` pages if possible; returns pages freed. Only pages nobody but the
-        index holds go: least recently used first, turn-boundary prefixes last (turn_aware)."""
+        """Free at least `num` device pages if possible; returns pages freed. Only pages nobody but
+        the index holds go, a bundle at a time (see `bundle`): least recently used first, turn-boundary
+        prefixes last (turn_aware); to the host tier when there is one, else dropped."""
         order = list(self.lru)
         if self.config.eviction == "turn_aware" and self._turns:
             protected = self.protected_pages()
@@ -266,21 +440,36 @@ class PrefixCache:
         for page in order:
             if freed >= num:
                 break
-            if page in self.lru and self.pool.refcount(page) == 1:
-                freed += self._evict_page(page)
+            if page not in self.lru or self.pool.refcount(page) != 1:
+                continue
+            group = self.bundle(page) if self.config.atomic_checkpoints else [page]
+            if any(self.pool.refcount(p) != 1 for p in group):
+                if page in self.index._kda_key_of_page:  # its MLA pages are in use: the checkpoint goes alone
+                    freed += self._drop([page])
+                continue
+            moved = self._write_back(group) if self.host is not None else 0
+            freed += moved or self._drop(group)
         return freed
 
-    def _evict_page(self, page: int) -> int:
-        if self.config.atomic_checkpoints:
-            siblings = self.index.forget_page(page)  # rule 3: a checkpoint's siblings go with it
-        else:
-            siblings = []
-            self.index.forget_page_alone(page)
-        drop = [page] + [p for p in siblings if p in self.lru]
-        for p in drop:
-            self.lru.pop(p, None)
-        freed = self.pool.decref(drop)
-        return len(freed)
+    def _drop(self, locations: list[int]) -> int:
+        """Forget locations (either tier) for good; returns the device pages freed. With rule 3 a
+        checkpoint's siblings go too."""
+        gone: list[int] = []
+        for loc in locations:
+            if loc in gone or (loc not in self.lru and loc not in self.host_lru):
+                continue
+            if self.config.atomic_checkpoints:
+                siblings = self.index.forget_page(loc)  # rule 3: a checkpoint's siblings go with it
+            else:
+                siblings = []
+                self.index.forget_page_alone(loc)
+            gone += [loc] + [p for p in siblings if p not in gone]
+        device = [p for p in gone if p < self.num_device and self.lru.pop(p, 0) is None]
+        host = [p - self.num_device for p in gone if p >= self.num_device and self.host_lru.pop(p, 0) is None]
+        host += [self._mirror.pop(p) for p in device if p in self._mirror]
+        if host:
+            self.host.free(host)
+        return len(self.pool.decref(device))
 
     def check_integrity(self) -> None:
         """The index agrees with itself and holds exactly one reference on each page it knows."""
@@ -288,8 +477,23 @@ class PrefixCache:
         incomplete = {h.hex()[:8]: sorted(slot) for h, slot in self.index.kda.items() if len(slot) != self.num_kda}
         if incomplete:
             raise AssertionError(f"KDA checkpoints reachable in some groups only (boundary: groups): {incomplete}")
-        if self.index.pages() != set(self.lru):
-            raise AssertionError(f"index pages {sorted(self.index.pages())} != held pages {sorted(self.lru)}")
+        if self.index.pages() != set(self.lru) | set(self.host_lru):
+            raise AssertionError(f"index pages {sorted(self.index.pages())} != held pages "
+                                 f"{sorted(self.lru)} + host {sorted(self.host_lru)}")
         for page in self.lru:
             if self.pool.refcount(page) < 1:
                 raise AssertionError(f"index page {page} is free in the pool")
+        if any(p >= self.num_device for p in self.lru) or any(p < self.num_device for p in self.host_lru):
+            raise AssertionError("a device location is listed as a host one or the reverse")
+        if self.host is not None:
+            slots = [p - self.num_device for p in self.host_lru] + list(self._mirror.values())
+            if len(set(slots)) != len(slots) or any(self.host.tag(s) is None for s in slots):
+                raise AssertionError("host pages of the index and mirrors overlap or are free")
+            if not set(self._mirror) <= set(self.lru):
+                raise AssertionError("a mirror belongs to a device page the index does not hold")
+        for h, slot in self.index.kda.items():  # a checkpoint sits on the tier of its last MLA block
+            tiers = {p >= self.num_device for p in slot.values()}
+            if self.num_mla and h in self.index.mla:
+                tiers.add(self.index.mla[h][0] >= self.num_device)
+            if len(tiers) > 1:
+                raise AssertionError(f"KDA checkpoint {h.hex()[:8]} and its MLA pages are on different tiers")

@@ -170,6 +170,21 @@ class PrefixIndex:
             self._kda_key_of_page.pop(p, None)
         return siblings
 
+    def relocate(self, old: int, new: int) -> None:
+        """Every key that reads location `old` reads `new` instead (the bytes moved between tiers)."""
+        if new in self._keys_of_page or new in self._kda_key_of_page:
+            raise ValueError(f"relocate {old} -> {new}: location {new} is already indexed")
+        keys = self._keys_of_page.pop(old, None)
+        if keys is not None:
+            for h in keys:
+                self.mla[h] = tuple(new if p == old else p for p in self.mla[h])
+            self._keys_of_page[new] = keys
+        h = self._kda_key_of_page.pop(old, None)
+        if h is not None:
+            slot = self.kda[h]
+            slot[next(g for g, p in slot.items() if p == old)] = new
+            self._kda_key_of_page[new] = h
+
     def forget_page_alone(self, page: int) -> None:
         """forget_page without rule 3 (debug only): a checkpoint page leaves its boundary's slot in
         its own group, and the siblings stay registered."""

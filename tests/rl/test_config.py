@@ -59,6 +59,9 @@ def test_kv_resume_conflicts_with_releasing_the_pool():
     with pytest.raises(Exception, match="release_pool_in_train"):
         composed("rollout.partial_resume=kv")
     assert composed("rollout.partial_resume=kv", "memory.release_pool_in_train=false").rollout.partial_resume == "kv"
+    assert composed("rollout.partial_resume=kv", "memory.host_pool_mb=4").memory.host_pool_mb == 4  # parked there
+    with pytest.raises(Exception, match="host_pool_mb=-1"):
+        composed("memory.host_pool_mb=-1")
 
 
 def test_help_lists_the_groups():

@@ -40,6 +40,20 @@ def test_two_iterations_end_to_end(tmp_path):
         run(cfg)  # a used run_dir is not silently overwritten
 
 
+def test_kv_partial_rollouts_park_in_the_host_pool_while_the_device_pool_is_released(tmp_path):
+    """Budgeted rollouts leave requests paused with their KV; sleep parks it in the host KV pool,
+    wake restores it, and the next iteration continues those trajectories."""
+    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=3", *SMALL, "rollout.max_new_tokens=6",
+                   "rollout.budget_tokens=40", "rollout.partial_resume=kv", "memory.host_pool_mb=4",
+                   "rollout.prefix_hash_block=16")
+    history = run(cfg)
+    assert sum(h["trajectories_carried"] for h in history[:-1]) > 0, "the budget should leave work to carry over"
+    phases = records(tmp_path / "phases.jsonl")
+    assert [r["memory"]["device_pool"] for r in phases if r["phase"] == "sleep"] == [0, 0, 0]
+    assert all(0 < r["memory"]["host_pool"] <= 4 << 20 for r in phases)
+    assert sum(h["groups_trained"] for h in history) >= 4
+
+
 def cli(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("HYBRIDRL_FAULT", None)

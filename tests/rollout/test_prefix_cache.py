@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
+from memory.layout import CacheLayout
+from memory.page_pool import PagePool
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.prefix_index import chain_hashes
@@ -24,10 +26,10 @@ def sessions(num_sessions=4, turns=3, seed=0):
                     for _ in range(num_sessions)]
 
 
-def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, **cache_options):
+def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, host_pages=0, **cache_options):
     """Turn by turn, all sessions interleaved; each turn's prompt is the whole conversation so far."""
     cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
-                       check_every_step=True,
+                       check_every_step=True, host_pool_bytes=host_pages * CacheLayout.for_model(model.config).page_bytes,
                        prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options) if prefix else None)
     engine = Engine(model, cfg)
     system, user_turns = sessions(seed=seed)
@@ -57,17 +59,30 @@ def reference(model, tokens):
     return out.states[0].mla, {c.position: c.layers for c in out.checkpoints[0]}
 
 
+def page_at(engine, location):
+    """(pool, page) to read an index location through typed views: a device page in place, a host
+    page through a one-page scratch pool holding a copy of its bytes."""
+    cache = engine.cache.prefix
+    if location < cache.num_device:
+        return engine.pool, location
+    slot = location - cache.num_device
+    scratch = PagePool(engine.layout, 1)
+    scratch.allocate(1, engine.host.tag(slot))
+    scratch.write_pages([0], engine.host.page_bytes_view(slot).unsqueeze(0))
+    return scratch, 0
+
+
 def make_verifier(model, finals):
     refs, keys = {}, {}
     for tokens in finals:
         key = tuple(tokens)
         for i, h in enumerate(chain_hashes(tokens, HB, b"tiny|v0"), start=1):
             keys.setdefault(h, (key, i))
-    checked = {"mla": 0, "kda": 0, "pending": 0}
+    checked = {"mla": 0, "kda": 0, "pending": 0, "host": 0}
 
     def verify(engine):
         cache = engine.cache.prefix
-        pool, bt = engine.pool, engine.layout.block_tokens
+        bt = engine.layout.block_tokens
         for h, pages in cache.index.mla.items():
             tokens, i = keys[h]  # every key is a prefix of some conversation
             if tokens not in refs:
@@ -77,10 +92,12 @@ def make_verifier(model, finals):
             end = i * HB - block * bt  # slots of the block that the key certifies
             for g, layers in enumerate(engine.layout.mla_groups):
                 for layer in layers:
-                    got = pool.mla_view(layer)[pages[g], :end]
+                    where, page = page_at(engine, pages[g])
+                    got = where.mla_view(layer)[page, :end]
                     want = mla[layer][block * bt:i * HB]
-                    assert ((got - want).norm() / want.norm()).item() <= 1e-5, (h, layer)
+                    assert ((got - want).norm() / want.norm()).item() <= 1e-5, (h.hex()[:8], layer, pages, i, end)
             checked["mla"] += 1
+            checked["host"] += pages[0] >= cache.num_device
         pending = cache.pending_destinations()  # copies not run yet: unmatchable until they are (rule 2)
         for h, slot in cache.index.kda.items():
             if pending.intersection(slot.values()):
@@ -92,11 +109,13 @@ def make_verifier(model, finals):
             _, states = refs[tokens]
             for g, layers in enumerate(engine.layout.kda_groups):
                 for layer in layers:
-                    got = pool.read_kda_state(slot[g], layer)
+                    where, page = page_at(engine, slot[g])
+                    got = where.read_kda_state(page, layer)
                     want = states[i * HB][layer]
                     assert ((got.recurrent - want.recurrent).norm() / want.recurrent.norm()).item() <= 1e-5
                     assert ((got.conv_tail - want.conv_tail).norm() / want.conv_tail.norm()).item() <= 1e-5
             checked["kda"] += 1
+            checked["host"] += min(slot.values()) >= cache.num_device
 
     return verify, checked
 
