@@ -122,8 +122,13 @@ class MemoryConfig:
     where paused partial rollouts wait while the device pool is released; 0 = none."""
     host_budget_mb: int | None = None
     """Host-DRAM ledger budget, MiB; null = MemAvailable less a 10% reserve."""
+    spill_dir: str | None = None
+    """NVMe directory the optimizer's host states are spilled to after each iteration (restored before
+    the next update; memory/nvme_store.py); relative = under run_dir; null = they stay in host DRAM."""
 
     def __post_init__(self) -> None:
+        if self.spill_dir is not None and not self.spill_dir.strip():
+            raise ValueError("memory.spill_dir is empty; give a directory or null (no spill)")
         if self.pool_mb < 1:
             raise ValueError(f"memory.pool_mb={self.pool_mb}, expected >= 1")
         if self.host_pool_mb < 0:

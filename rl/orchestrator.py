@@ -2,11 +2,12 @@
 
 Per iteration:
     wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT -> engine sleep
-    -> TRAIN (reference logprobs, policy update) -> offload training state -> checkpoint -> log.
+    -> [restore training state, if spilled] -> TRAIN (reference logprobs, policy update) -> offload
+    training state (NVMe spill with memory.spill_dir) -> checkpoint -> log.
 Every transition goes through `Phases.run`, which records seconds, bytes moved and the memory
 held by each tier (engine pool on device, host pool, training state on device / host / disk) in
-the tracker's memory timeline. The memory phases (NVMe spill, host KV pool, reference streaming)
-plug into `_offload_train_state` and `Phases.memory` — the hooks are here, the movers come later.
+the tracker's memory timeline. With `memory.spill_dir`, `_offload_train_state` spills the
+optimizer's host states to NVMe (`train_disk` in the timeline) and "restore" reads them back.
 A checkpoint is written atomically after each iteration; resume starts after the last one.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memory.host_ledger import HostLedger
+from memory.nvme_store import NvmeStore
 from models.model import HybridLM
 from rl.checkpoint import save_iteration
 from rl.rollout import RolloutDriver
@@ -44,7 +46,7 @@ class Phases:
         weights = _tensor_bytes(self.policy.parameters()) + _tensor_bytes(self.engine.model.parameters())
         host_pool = self.engine.host.pool_bytes if self.engine.host is not None else 0
         return {"device_pool": pool, "host_pool": host_pool, "train_device": weights,
-                "train_host": self.trainer.optimizer.host_bytes(), "train_disk": 0}
+                "train_host": self.trainer.optimizer.host_bytes(), "train_disk": self.trainer.optimizer.disk_bytes}
 
     def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
         t0 = time.perf_counter()
@@ -73,6 +75,8 @@ class LoopParts:
     checkpoint_dir: Path
     ledger: HostLedger | None = None
     """Host-DRAM ledger every host consumer leases from (KV pool, reference, training states)."""
+    store: NvmeStore | None = None
+    """Where the optimizer's host states are spilled between iterations (memory.spill_dir); None = no spill."""
 
 
 def run_loop(parts: LoopParts, start: int, iterations: int,
@@ -97,10 +101,14 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
             pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
             phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)
         groups = p.driver.take_finished_groups()
+        if p.trainer.states_spilled:
+            fault(it, "restore")
+            phases.run(it, "restore", p.trainer.restore_states, bytes_moved=p.trainer.optimizer.spilled_bytes)
         fault(it, "train")
         train = phases.run(it, "train", lambda: _train(p, groups)) if groups else {"train_skipped": 1.0}
         fault(it, "offload")
-        phases.run(it, "offload", _offload_train_state)
+        phases.run(it, "offload", lambda: _offload_train_state(p),
+                   bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
         fault(it, "checkpoint")
         phases.run(it, "checkpoint", lambda: save_iteration(p, it))
         rewards = [t.reward for g in groups for t in g]
@@ -132,6 +140,11 @@ def _train(p: LoopParts, groups) -> dict[str, float]:
     return metrics
 
 
-def _offload_train_state() -> None:
-    """Hook: training state leaves the device here (NVMe spill, host KV pool: the memory phases).
-    On one CPU process the optimizer already lives on the host and nothing moves."""
+def _offload_train_state(p: LoopParts) -> None:
+    """Training state leaves its tier here: with a store, the optimizer's host states (FP32 masters +
+    AdamW moments) are spilled to NVMe and their host bytes returned to the ledger; the next
+    iteration's "restore" phase reads them back before training. The checkpoint that follows reads
+    them from the store (Trainer.save). Without a store nothing moves (one CPU process: the
+    optimizer already lives on the host)."""
+    if p.store is not None:
+        p.trainer.offload_states(p.store)

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from memory.host_ledger import HostLedger
+from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights
 from models.model import HybridLM
 from models.tokenizer import load_tokenizer
@@ -58,7 +59,7 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
                       if cfg.rollout.prefix_hash_block else None)), ledger=ledger)
     t = cfg.trainer
     trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
-                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps))
+                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps), ledger=ledger)
     r = cfg.rollout
     driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params,
                            group_size=cfg.algo.group_size, groups_per_iteration=r.groups_per_iteration,
@@ -68,6 +69,8 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
                            budget_tokens=r.budget_tokens, budget_seconds=r.budget_seconds,
                            partial_resume=r.partial_resume)
     run_dir = Path(cfg.run_dir)
+    # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
+    store = NvmeStore(run_dir / cfg.memory.spill_dir) if cfg.memory.spill_dir is not None else None
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
                       resume_from_iteration=resume_from)
     ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None
@@ -78,7 +81,7 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
-                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger)
+                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store)
 
 
 def _last_complete(run_dir: Path) -> int | None:

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from memory.nvme_store import NvmeStore
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +80,14 @@ class ShardedHostAdamW:
             flat = self._padded_flat(params, shard * self.world)
             self.masters.append(nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone().cpu()))
         self.adam, self.backend = make_host_adam(self.masters, config)
+        self.store: NvmeStore | None = None
+        """Where the states are spilled while `is_spilled` (set by `offload`)."""
+        self.spilled_bytes = 0
+        """Payload bytes of the spilled states (0 when resident)."""
+        self.disk_bytes = 0
+        """Bytes of the spill files on disk (0 when resident: restore drops them)."""
+        self._layout: list[dict[str, tuple[torch.Size, torch.dtype]]] = []
+        """Per chunk: name -> (shape, dtype) of the spilled states."""
 
     @staticmethod
     def _padded_flat(params: list[nn.Parameter], numel: int) -> torch.Tensor:
@@ -97,6 +109,7 @@ class ShardedHostAdamW:
     @torch.no_grad()
     def step(self) -> None:
         """Update every master shard, then all-gather the shards into the model's parameters."""
+        self._require_resident("step")
         missing = [c for c, m in enumerate(self.masters) if m.grad is None]
         if missing:
             raise RuntimeError(f"optimizer step without gradients for chunks {missing}")
@@ -115,17 +128,120 @@ class ShardedHostAdamW:
             master.grad = None
 
     def host_bytes(self) -> int:
-        """Bytes of host memory this rank's optimizer holds: FP32 master shards, their gradients and
-        Adam's moments."""
+        """Bytes of host memory this rank's optimizer holds now: FP32 master shards, their gradients and
+        Adam's moments (storages, so spilled states count 0)."""
         tensors = [m for m in self.masters] + [m.grad for m in self.masters if m.grad is not None]
         tensors += [v for st in self.adam.state.values() for v in st.values() if torch.is_tensor(v)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    # ---- NVMe spill (SPEC §6: host DRAM is time-multiplexed) --------------------------------------
+    @property
+    def is_spilled(self) -> bool:
+        return self.store is not None
+
+    def group_name(self, chunk: int) -> str:
+        return f"train_states.rank{self.rank}.chunk{chunk}"
+
+    def _chunk_states(self, chunk: int) -> dict[str, torch.Tensor]:
+        """Chunk `chunk`'s host state tensors by name: the master shard and every non-scalar Adam
+        state (moments; torch's 0-dim `step` stays resident). Before the first step: the master only."""
+        master = self.masters[chunk]
+        states = {"master": master.data}
+        for key, v in self.adam.state.get(master, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                states[key] = v
+        return states
+
+    def _require_resident(self, what: str) -> None:
+        if self.is_spilled:
+            raise RuntimeError(f"optimizer {what} while its states are spilled to {self.store.directory}; "
+                               "call restore() (Trainer.restore_states) first")
+
+    def spillable_bytes(self) -> int:
+        """Payload bytes `offload` would write now (0 while spilled)."""
+        if self.is_spilled:
+            return 0
+        return sum(t.numel() * t.element_size() for c in range(len(self.masters))
+                   for t in self._chunk_states(c).values())
+
+    def _install(self, chunk: int, states: dict[str, torch.Tensor]) -> None:
+        """Make `states` chunk `chunk`'s master data / Adam states (same Parameter and state-dict
+        objects; DeepSpeed's CPU Adam reads `p.data` and the state tensors at every step, nothing
+        caches their pointers)."""
+        master = self.masters[chunk]
+        for key, t in states.items():
+            if key == "master":
+                master.data = t
+            else:
+                self.adam.state[master][key] = t
+
+    def offload(self, store: NvmeStore) -> int:
+        """Spill every chunk's states to `store` (one group per chunk), then free their host memory
+        (each replaced by an empty tensor of its dtype). Returns the payload bytes spilled. Only
+        between steps (no pending gradients)."""
+        self._require_resident("offload")
+        pending = [c for c, m in enumerate(self.masters) if m.grad is not None]
+        if pending:
+            raise RuntimeError(f"optimizer offload with pending gradients for chunks {pending}; offload between steps")
+        groups = [self._chunk_states(c) for c in range(len(self.masters))]
+        records = [store.spill(self.group_name(c), g) for c, g in enumerate(groups)]  # all written before any free
+        self._layout = [{k: (t.shape, t.dtype) for k, t in g.items()} for g in groups]
+        self.store = store
+        self._free()
+        self.spilled_bytes = sum(r.payload_bytes for r in records)
+        self.disk_bytes = sum(r.file_bytes for r in records)
+        return self.spilled_bytes
+
+    def _read_back(self) -> None:
+        for c in range(len(self.masters)):
+            self._install(c, self.store.restore(self.group_name(c)))  # new tensors, checksums verified
+
+    def _free(self) -> None:
+        for c, layout in enumerate(self._layout):
+            self._install(c, {k: torch.empty(0, dtype=dtype) for k, (_, dtype) in layout.items()})
+
+    def restore(self) -> int:
+        """Read the spilled states back (into new tensors, installed where the old ones were), drop
+        the spill files; returns the payload bytes read. No-op (0) when resident."""
+        if not self.is_spilled:
+            return 0
+        self._read_back()
+        for c in range(len(self.masters)):
+            self.store.drop(self.group_name(c))
+        moved, self.store, self.spilled_bytes, self.disk_bytes = self.spilled_bytes, None, 0, 0
+        return moved
+
+    def discard_spill(self) -> None:
+        """Allocate the states again without reading them (contents undefined) and drop the files:
+        for a caller about to overwrite every state (load_state_dict). No-op when resident."""
+        if not self.is_spilled:
+            return
+        for c, layout in enumerate(self._layout):
+            self._install(c, {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()})
+            self.store.drop(self.group_name(c))
+        self.store, self.spilled_bytes, self.disk_bytes = None, 0, 0
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Inside: the states are in host memory. When spilled, they are read back for the block and
+        freed again after it; the files stay as they were (the block must not change the states)."""
+        if not self.is_spilled:
+            yield
+            return
+        self._read_back()
+        store, self.store = self.store, None  # resident for the block: state_dict() etc. work
+        try:
+            yield
+        finally:
+            self.store = store
+            self._free()
 
     def zero_grad(self) -> None:
         for master in self.masters:
             master.grad = None
 
     def state_dict(self) -> dict:
+        self._require_resident("state_dict")
         return {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
                 "rank": self.rank, "world": self.world}
 
@@ -134,6 +250,7 @@ class ShardedHostAdamW:
         if (state["rank"], state["world"]) != (self.rank, self.world):
             raise ValueError(f"optimizer shard of rank {state['rank']}/{state['world']} loaded into rank "
                              f"{self.rank}/{self.world}")
+        self.discard_spill()  # every state is overwritten below
         for master, saved in zip(self.masters, state["masters"]):
             if master.shape != saved.shape:
                 raise ValueError(f"optimizer shard shape {tuple(saved.shape)} != expected {tuple(master.shape)}")

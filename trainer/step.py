@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from memory.grad_arena import GradArena
+from memory.host_ledger import HostLedger
+from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint
 from models.model import HybridLM
@@ -70,9 +72,21 @@ class TrainerConfig:
             raise ValueError(f"max_bad_steps={self.max_bad_steps}, expected >= 0")
 
 
+LEDGER_CONSUMER = "train_states"
+
+
 class Trainer:
-    def __init__(self, model: HybridLM, config: TrainerConfig, group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.config, self.group = model, config, group
+    """Host states (FP32 master shards + AdamW moments) can be spilled to NVMe between iterations:
+    `offload_states(store)` writes them and frees their host memory, `restore_states()` reads them
+    back bit for bit. While spilled, `train_step` raises (restore first: the orchestrator's "restore"
+    phase), `save` reads them back for the write and frees them again (the spill stays), `load`
+    discards the spill. With a `ledger`, the resident state bytes are leased as "train_states"
+    (synced after each step; released on offload, leased again before restore)."""
+
+    def __init__(self, model: HybridLM, config: TrainerConfig, group: dist.ProcessGroup | None = None,
+                 ledger: HostLedger | None = None) -> None:
+        self.model, self.config, self.group, self.ledger = model, config, group, ledger
+        self._leased_bytes = 0
         low = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if low:
             # .grad views into the FP32 arena need FP32 parameters; bf16 weights need main_grad
@@ -87,6 +101,42 @@ class Trainer:
         self.step_count = 0
         self.bad_steps_in_a_row = 0
         self._bound: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._sync_ledger()
+
+    # ---- host states: ledger and NVMe spill -----------------------------------------------------------
+    def _sync_ledger(self) -> None:
+        """Make the ledger's "train_states" holding equal the optimizer's resident host bytes."""
+        if self.ledger is None:
+            return
+        target = self.optimizer.host_bytes()
+        if target > self._leased_bytes:
+            self.ledger.lease(LEDGER_CONSUMER, target - self._leased_bytes)
+        elif target < self._leased_bytes:
+            self.ledger.release(LEDGER_CONSUMER, self._leased_bytes - target)
+        self._leased_bytes = target
+
+    @property
+    def states_spilled(self) -> bool:
+        return self.optimizer.is_spilled
+
+    def offload_states(self, store: NvmeStore) -> int:
+        """Spill the optimizer's host states to `store` (group per VPP chunk) and free their memory
+        (returned to the ledger). Returns the payload bytes written. Between steps only."""
+        moved = self.optimizer.offload(store)
+        self._sync_ledger()
+        return moved
+
+    def restore_states(self) -> int:
+        """Read spilled states back (leased first: HostBudgetExceeded leaves them spilled); returns the
+        payload bytes read, 0 when nothing was spilled."""
+        if not self.states_spilled:
+            return 0
+        if self.ledger is not None:
+            self.ledger.lease(LEDGER_CONSUMER, self.optimizer.spilled_bytes)
+            self._leased_bytes += self.optimizer.spilled_bytes
+        moved = self.optimizer.restore()
+        self._sync_ledger()
+        return moved
 
     def _bind(self, chunk: int) -> None:
         buffer = self.arena.acquire(chunk)  # [slot_numel] zeroed
@@ -129,6 +179,9 @@ class Trainer:
         A non-finite loss (on any rank) skips the update (weights and optimizer untouched, logged in
         the metrics); more than `max_bad_steps` in a row raise FloatingPointError.
         """
+        if self.states_spilled:
+            raise RuntimeError("train_step while the optimizer states are spilled to "
+                               f"{self.optimizer.store.directory}; call restore_states() first")
         if len(seq_lens) == 0 or token_ids.numel() == 0:
             raise ValueError("empty batch: train_step needs at least one sequence with one token")
         if token_ids.shape != targets.shape or sum(seq_lens) != token_ids.numel():
@@ -172,18 +225,29 @@ class Trainer:
         self.bad_steps_in_a_row = 0
         self.optimizer.step()
         self.step_count += 1
+        self._sync_ledger()  # Adam's moments appear at the first step
         return {**metrics, "skipped": 0.0}
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Weights (HF safetensors dir, written by rank 0), this rank's optimizer shard, step metadata."""
+        """Weights (HF safetensors dir, written by rank 0), this rank's optimizer shard, step metadata.
+        While the states are spilled they are read back for the write (leased meanwhile) and freed
+        again; the spill files stay, so the trainer is still spilled after."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         rank, world = self.optimizer.rank, self.optimizer.world
         if rank == 0:
             save_checkpoint(self.model, path)
         tmp = path / f"optimizer-rank{rank}.pt.tmp"
-        torch.save(self.optimizer.state_dict(), tmp)
+        transient = self.optimizer.spilled_bytes if self.ledger is not None else 0
+        if transient:
+            self.ledger.lease(LEDGER_CONSUMER, transient)
+        try:
+            with self.optimizer.resident():
+                torch.save(self.optimizer.state_dict(), tmp)
+        finally:
+            if transient:
+                self.ledger.release(LEDGER_CONSUMER, transient)
         os.replace(tmp, path / f"optimizer-rank{rank}.pt")
         if rank == 0:
             meta = {"step": self.step_count, "world_size": world, "num_chunks": self.config.num_chunks}
@@ -203,3 +267,4 @@ class Trainer:
         load_weights_into(self.model, path, assign=False)  # keep the Parameter objects the optimizer holds
         self.optimizer.load_state_dict(torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt"))
         self.step_count = meta["step"]
+        self._sync_ledger()

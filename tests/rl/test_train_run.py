@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rl.train import run
@@ -52,6 +53,37 @@ def test_kv_partial_rollouts_park_in_the_host_pool_while_the_device_pool_is_rele
     assert [r["memory"]["device_pool"] for r in phases if r["phase"] == "sleep"] == [0, 0, 0]
     assert all(0 < r["memory"]["host_pool"] <= 4 << 20 for r in phases)
     assert sum(h["groups_trained"] for h in history) >= 4
+
+
+def test_spilling_the_optimizer_states_to_nvme_leaves_the_run_bit_identical(tmp_path):
+    """memory.spill_dir: after each iteration the optimizer's host states go to disk (restored before
+    the next update); the run's weights, optimizer checkpoint and rewards equal a run without spill."""
+    plain, spilled = tmp_path / "plain", tmp_path / "spilled"
+    run(composed(f"run_dir={plain}", "experiment.iterations=3", *SMALL))
+    run(composed(f"run_dir={spilled}", "experiment.iterations=3", *SMALL, "memory.spill_dir=nvme"))
+    final = "checkpoints/iter_000002"
+    a, b = load_file(plain / final / "model.safetensors"), load_file(spilled / final / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "spilled run's weights differ"
+    oa, ob = torch.load(plain / final / "optimizer-rank0.pt"), torch.load(spilled / final / "optimizer-rank0.pt")
+    assert all(torch.equal(x, y) for x, y in zip(oa["masters"], ob["masters"]))
+    for i, st in oa["adam"]["state"].items():
+        assert all(torch.equal(v, ob["adam"]["state"][i][k]) for k, v in st.items() if torch.is_tensor(v))
+    assert [m["reward_mean"] for m in records(spilled / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in records(plain / "metrics.jsonl")]
+    phases = records(spilled / "phases.jsonl")
+    assert [(r["iteration"], r["phase"]) for r in phases if r["iteration"] == 1] == \
+        [(1, p) for p in ["wake", "load_weights", "rollout", "sleep", "restore", "train", "offload", "checkpoint"]]
+    by = {(r["iteration"], r["phase"]): r for r in phases}
+    trained_host = by[(0, "train")]["memory"]["train_host"]
+    for it in (0, 1, 2):
+        off = by[(it, "offload")]
+        assert off["bytes_moved"] > 0 and off["memory"]["train_disk"] >= off["bytes_moved"]
+        assert off["memory"]["train_host"] < trained_host // 100  # only scalar step counters stay resident
+        assert by[(it, "train")]["memory"]["train_disk"] == 0 and by[(it, "train")]["memory"]["train_host"] == trained_host
+    for it in (1, 2):
+        assert by[(it, "rollout")]["memory"]["train_disk"] > 0  # spilled while generating
+        assert by[(it, "restore")]["bytes_moved"] == by[(it - 1, "offload")]["bytes_moved"]
+    assert all(r["memory"]["train_disk"] == 0 for r in records(plain / "phases.jsonl"))
 
 
 def cli(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
