@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     system, users = make_trace(args.sessions, args.turns, args.seed)
     common = (model, system, users, args.hash_block, args.new_tokens)
     results = {}
-    for name, pages, host, mode in (("large", 4000, 0, "write_back"), ("wb", args.pages, args.host_pages, "write_back"),
-                                    ("wt", args.pages, args.host_pages, "write_through"), ("none", args.pages, 0, "write_back")):
+    runs = (("large", 4000, 0, "write_back"), ("wb", args.pages, args.host_pages, "write_back"),
+            ("wt", args.pages, args.host_pages, "write_through"), ("none", args.pages, 0, "write_back"))
+    for name, pages, host, mode in runs:
         engine, requests, hits, computed = run(*common, pages, host_pages=host, host_mode=mode)
         prefix = engine.cache.prefix
         results[name] = {"hits": hits, "computed": computed,

@@ -50,6 +50,10 @@ class PrefixCacheConfig:
     atomic_checkpoints: bool = True
     """Rule 3: evicting a checkpoint page evicts its siblings in the other KDA groups. Off only in
     tests that show why."""
+    reuse_stale: bool = False
+    """Partial-rollout reuse: keep the cache across weight updates (prefixes computed by older
+    policy versions may hit; the trainer's importance weights correct for it). Off: a new version
+    empties the cache, and the version is part of every hash's salt."""
     host_mode: str = "write_back"
     """With a host tier: "write_back" copies a page to host memory only when the device pool evicts
     it; "write_through" (the baseline) copies every page when it is registered (again as its
@@ -97,12 +101,14 @@ class PrefixCache:
 
     @property
     def salt(self) -> bytes:
-        return cache_salt(self.config.model_id, self.version)
+        return cache_salt(self.config.model_id, 0 if self.config.reuse_stale else self.version)
 
     def set_version(self, version: int) -> None:
-        """New weights: nothing computed by the old ones may hit again; the index is emptied."""
+        """New weights: nothing computed by the old ones may hit again; the index is emptied
+        (unless `reuse_stale` explicitly allows stale prefixes)."""
         if version != self.version:
-            self.clear()
+            if not self.config.reuse_stale:
+                self.clear()
             self.version = version
 
     def clear(self) -> None:

@@ -14,7 +14,7 @@ from memory.page_pool import PagePool
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.sampling import SamplingParams
-from tests.rollout.test_prefix_cache import HB, make_verifier, run
+from tests.rollout.test_prefix_cache import HB, make_verifier, run, uncached
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
@@ -98,7 +98,7 @@ def test_offload_then_prefetch_is_bit_identical_and_decodes_exactly(tiny_model):
     assert len(restored) == 5
     for loc in restored:  # back on the device: the same bytes again
         assert torch.equal(engine.pool.read_pages([loc])[0], before[identity(engine, loc)])
-    (expected,) = Engine(tiny_model, EngineConfig(num_pages=40, max_model_len=300, show_progress=False)).generate([b], GREEDY)
+    (expected,) = uncached(tiny_model).generate([b], GREEDY)
     assert out.samples[0].tokens == expected.samples[0].tokens
     assert torch.allclose(torch.tensor(out.samples[0].logprobs), torch.tensor(expected.samples[0].logprobs),
                           rtol=1e-5, atol=1e-6)
@@ -127,19 +127,20 @@ def test_a_full_host_pool_drops_least_recently_used_bundles(tiny_model):
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 10_000), budget=st.integers(8, 90), pages=st.sampled_from([24, 32]),
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(5, 90), pages=st.sampled_from([24, 32]),
        host=st.sampled_from([8, 40]), mode=st.sampled_from(["write_back", "write_through"]))
-def test_random_sessions_with_a_small_device_pool_and_a_host_pool(tiny_model, seed, budget, pages, host, mode):
+def test_random_sessions_with_a_small_device_pool_and_a_host_pool(dense_tiny_model, seed, budget, pages, host,
+                                                                  mode):
     """The prefix cache's property test with a second tier: every entry on either tier verified
     against a recompute after every step (check_every_step also checks that no KDA checkpoint sits
     on another tier than its MLA pages), and the output equal to no cache."""
-    _, history, _ = run(tiny_model, prefix=False, num_pages=pages, budget=budget, seed=seed)
-    engine, cached, finals = run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed,
+    _, history, _ = run(dense_tiny_model, prefix=False, num_pages=pages, budget=budget, seed=seed)
+    engine, cached, finals = run(dense_tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed,
                                  host_pages=host, host_mode=mode)
     assert cached == history
-    verify, checked = make_verifier(tiny_model, finals)
-    run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, host_pages=host, host_mode=mode,
+    verify, checked = make_verifier(dense_tiny_model, finals)
+    run(dense_tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, host_pages=host, host_mode=mode,
         verify=verify)
     assert checked["mla"] > 0
 

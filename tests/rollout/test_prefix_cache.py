@@ -27,29 +27,44 @@ def sessions(num_sessions=4, turns=3, seed=0):
 
 
 def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, host_pages=0, **cache_options):
-    """Turn by turn, all sessions interleaved; each turn's prompt is the whole conversation so far."""
+    """Turn by turn, all sessions interleaved (arriving in a seeded random order, a random 0-2 steps
+    apart); each turn's prompt is the whole conversation so far."""
     cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
-                       check_every_step=True, host_pool_bytes=host_pages * CacheLayout.for_model(model.config).page_bytes,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options) if prefix else None)
+                       check_every_step=True,
+                       host_pool_bytes=host_pages * CacheLayout.for_model(model.config).page_bytes,
+                       prefix_cache=(PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options)
+                                     if prefix else None))
     engine = Engine(model, cfg)
     system, user_turns = sessions(seed=seed)
     history = [list(system) for _ in user_turns]
     finals = []
+    arrivals = random.Random(seed + 1)  # random interleaving: sessions arrive in a shuffled order, steps apart
+    done = {}
+
+    def step():
+        for out in engine.step():
+            done[out.request_id] = out
+        if verify is not None:
+            verify(engine)
+
     for t in range(len(user_turns[0])):
-        ids = []
-        for s, turns in enumerate(user_turns):
-            history[s] += turns[t]
-            ids.append(engine.add_request(history[s], GREEDY, turn_boundaries=[len(history[s])]))
-        done = {}
-        while len(done) < len(ids):
-            for out in engine.step():
-                done[out.request_id] = out
-            if verify is not None:
-                verify(engine)
-        for s, rid in enumerate(ids):
-            history[s] += done[rid].samples[0].tokens
+        ids = {}
+        for s in arrivals.sample(range(len(user_turns)), len(user_turns)):
+            history[s] += user_turns[s][t]
+            ids[s] = engine.add_request(history[s], GREEDY, turn_boundaries=[len(history[s])])
+            for _ in range(arrivals.randint(0, 2)):
+                step()
+        while any(rid not in done for rid in ids.values()):
+            step()
+        for s in range(len(user_turns)):
+            history[s] += done[ids[s]].samples[0].tokens
             finals.append(list(history[s]))
     return engine, history, finals
+
+
+def uncached(model) -> Engine:
+    """A plain engine (no prefix cache) to compare outputs with."""
+    return Engine(model, EngineConfig(num_pages=40, max_model_len=300, show_progress=False))
 
 
 def reference(model, tokens):
@@ -155,6 +170,19 @@ def test_new_weights_never_hit_old_prefixes(tiny_model):
     assert engine.pool.num_used == 0
 
 
+def test_stale_prefixes_hit_only_when_the_reuse_option_allows_it(tiny_model):
+    prompt = list(range(30, 100))
+    for reuse in (False, True):
+        engine = Engine(tiny_model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False,
+                                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny",
+                                                                                reuse_stale=reuse)))
+        engine.generate([prompt], GREEDY)
+        engine.load_weights(tiny_model.state_dict(), version=1)
+        before = engine.cache.prefix.hit_tokens
+        engine.generate([prompt + [1, 2, 3]], GREEDY)
+        assert (engine.cache.prefix.hit_tokens > before) == reuse
+
+
 def _pinning_scenario(model, pin: bool):
     """A's prefix is cached, then an unrelated C's; the pool is full when B (A's prompt + more)
     arrives, so B's private copies need an eviction. Returns (B's tokens, expected tokens)."""
@@ -188,14 +216,14 @@ def test_rule1_pinning_hits_before_allocating(tiny_model):
 @pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), budget=st.integers(5, 90), pages=st.sampled_from([24, 40, 200]))
-def test_random_sessions_budgets_and_pools(tiny_model, seed, budget, pages):
+def test_random_sessions_budgets_and_pools(dense_tiny_model, seed, budget, pages):
     """Random multi-turn sessions, chunk budgets and pool sizes (small ones force eviction and
     preemption): every entry verified against a recompute after every step, output equal to no cache."""
-    _, history, _ = run(tiny_model, prefix=False, num_pages=pages, budget=budget, seed=seed)
-    _, cached, finals = run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed)
+    _, history, _ = run(dense_tiny_model, prefix=False, num_pages=pages, budget=budget, seed=seed)
+    _, cached, finals = run(dense_tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed)
     assert cached == history
-    verify, checked = make_verifier(tiny_model, finals)
-    run(tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, verify=verify)
+    verify, checked = make_verifier(dense_tiny_model, finals)
+    run(dense_tiny_model, prefix=True, num_pages=pages, budget=budget, seed=seed, verify=verify)
 
 
 def _pending_copy_scenario(model, exclude: bool):
@@ -217,7 +245,7 @@ def _pending_copy_scenario(model, exclude: bool):
     while engine.has_unfinished:
         for out in engine.step():
             outs[out.request_id] = out
-    (expected,) = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False)).generate([b], params)
+    (expected,) = uncached(model).generate([b], params)
     return outs["b"].samples[0], expected.samples[0], engine
 
 
@@ -283,7 +311,7 @@ def _turn_then_pressure(model, eviction: str) -> tuple[int, list[int], list[int]
     before = engine.cache.prefix.hit_tokens
     engine.add_request(second, params, request_id="turn2", turn_boundaries=[48, len(second)])
     outs = [o for _ in range(30) for o in engine.step()]
-    (expected,) = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False)).generate([second], params)
+    (expected,) = uncached(model).generate([second], params)
     return engine.cache.prefix.hit_tokens - before, outs[0].samples[0].tokens, expected.samples[0].tokens
 
 
