@@ -70,6 +70,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -387,6 +388,11 @@ def _can_lock(num_bytes: int) -> bool:
     return True
 
 
+def _close_backend(io) -> None:
+    if io.staging or getattr(io, "handle", None) is not None:
+        io.close()
+
+
 class _AioIO:
     """DeepSpeed aio handle + two page-locked staging buffers. One transfer in flight at a time."""
 
@@ -412,10 +418,15 @@ class _AioIO:
             self.handle.wait()
 
     def close(self) -> None:
+        if self.handle is None:
+            return
         self.wait()
         for b in self.staging:
             self.handle.free_cpu_locked_tensor(b)
         self.staging = []
+        # Destroy the handle (its C++ worker threads) now, not during interpreter teardown, where
+        # it can abort the process with "terminate called without an active exception".
+        self.handle = None
 
 
 class _BufferedIO:
@@ -463,6 +474,8 @@ class NvmeStore:
         if xxhash is None:
             _announce("the xxhash package is missing: spill checksums fall back to crc32 (~3x slower)")
         self._io = self._open_backend(config)
+        # Closed at the latest at interpreter exit (atexit), while the runtime is still whole.
+        self._finalizer = weakref.finalize(self, _close_backend, self._io)
         self._lock = threading.Lock()
         self._records: dict[str, SpillRecord] = {}
         for stale in self.directory.glob("*.tmp"):
@@ -516,10 +529,9 @@ class NvmeStore:
         return self.directory / f"{name}.spill"
 
     def close(self) -> None:
-        """Free the staging buffers; the files stay."""
+        """Free the staging buffers (and the aio handle); the files stay."""
         with self._lock:
-            if self._io.staging:
-                self._io.close()
+            self._finalizer()
 
     def __enter__(self) -> "NvmeStore":
         return self
