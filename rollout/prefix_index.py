@@ -157,11 +157,7 @@ class PrefixIndex:
         """Drop every key that reads `page` (it is being evicted). For a KDA checkpoint page, the
         sibling checkpoints of the same boundary go too (rule 3): returns those sibling pages,
         which the caller frees with it."""
-        for h in self._keys_of_page.pop(page, set()):
-            pages = self.mla.pop(h, ())
-            for other in pages:
-                if other != page:
-                    self._keys_of_page.get(other, set()).discard(h)
+        self._forget_mla_keys(page)
         h = self._kda_key_of_page.pop(page, None)
         if h is None:
             return []
@@ -188,17 +184,20 @@ class PrefixIndex:
     def forget_page_alone(self, page: int) -> None:
         """forget_page without rule 3 (debug only): a checkpoint page leaves its boundary's slot in
         its own group, and the siblings stay registered."""
-        for h in self._keys_of_page.pop(page, set()):
-            pages = self.mla.pop(h, ())
-            for other in pages:
-                if other != page:
-                    self._keys_of_page.get(other, set()).discard(h)
+        self._forget_mla_keys(page)
         h = self._kda_key_of_page.pop(page, None)
         if h is not None:
             slot = self.kda[h]
             del slot[next(g for g, p in slot.items() if p == page)]
             if not slot:
                 del self.kda[h]
+
+    def _forget_mla_keys(self, page: int) -> None:
+        """Drop every MLA key that reads `page` (from the other groups' pages of those keys too)."""
+        for h in self._keys_of_page.pop(page, set()):
+            for other in self.mla.pop(h, ()):
+                if other != page:
+                    self._keys_of_page.get(other, set()).discard(h)
 
     def pages(self) -> set[int]:
         """Every page the index references."""
