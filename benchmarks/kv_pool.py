@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.prefix_cache import make_trace, run
+from benchmarks.prefix_cache import make_trace, run, trace_arguments
 from models.config import load_model_config
 from models.model import HybridLM
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sessions", type=int, default=12)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--hash-block", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p = trace_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--pages", type=int, default=40, help="device pool pages (too few for the working set)")
     p.add_argument("--host-pages", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=args.seed, std=0.1).eval()
     system, users = make_trace(args.sessions, args.turns, args.seed)

@@ -78,16 +78,21 @@ def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_t
     return engine, requests, (prefix.hit_tokens if prefix else 0), computed
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def trace_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The trace's options (shared with benchmarks/kv_pool.py)."""
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--hash-block", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = trace_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--pages", type=int, default=2000, help="pool pages (large: nothing evicted)")
     p.add_argument("--small-pages", type=int, default=48,
                    help="pool pages of the eviction comparison (turn-aware vs LRU); 0 skips it")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=args.seed, std=0.1).eval()
     system, users = make_trace(args.sessions, args.turns, args.seed)
