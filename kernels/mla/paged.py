@@ -78,7 +78,7 @@ def _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens) -> tuple[int, ..
     return B, H, Dc, Dr
 
 
-def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale) -> Tensor:
+def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse=False):
     """Gathers every sequence's pages (whole blocks, in table order) into one padded
     [B, max_blocks * block_tokens, Dc + Dr] batch, then plain softmax attention. Slots past a
     sequence's seq_len may hold anything (stale or never-written pages, even NaN bit patterns):
@@ -103,7 +103,8 @@ def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale)
     q = torch.cat([q_lat, q_rope], dim=-1).to(f32)  # [B, H, Dc + Dr]: one product scores both parts
     scores = (q @ kv.transpose(1, 2)) * scale  # [B, H, S]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    return (scores.softmax(dim=-1) @ kv)[..., :Dc].to(q_lat.dtype)  # [B, H, Dc]
+    o_lat = (scores.softmax(dim=-1) @ kv)[..., :Dc].to(q_lat.dtype)  # [B, H, Dc]
+    return (o_lat, scores.logsumexp(dim=-1)) if return_lse else o_lat
 
 
 @triton.jit
@@ -114,6 +115,7 @@ def _paged_mla_decode_kernel(
     block_tables_ptr,  # [B, max_blocks] strided
     seq_lens_ptr,  # [B]
     o_ptr,  # [B, H, DC] contiguous, q_lat's dtype
+    lse_ptr,  # [B, H] fp32 log-sum-exp of the scaled scores (written when STORE_LSE)
     scale,
     H,
     DC,
@@ -129,6 +131,7 @@ def _paged_mla_decode_kernel(
     BLOCK_DC: tl.constexpr,
     BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -191,6 +194,8 @@ def _paged_mla_decode_kernel(
         o.to(o_ptr.dtype.element_ty),
         mask=head_mask[:, None] & dc_mask[None, :],
     )
+    if STORE_LSE:
+        tl.store(lse_ptr + q_rows, m + tl.log(l), mask=head_mask)
 
 
 # Heads per program and tokens per loop step. tl.dot needs every dim >= 16; 16 heads share
@@ -199,15 +204,16 @@ _BLOCK_H = 16
 _BLOCK_N = 16
 
 
-def _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale) -> Tensor:
+def _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse=False):
     B, H, Dc = q_lat.shape
     Dr = q_rope.shape[2]
     require_triton(_paged_mla_decode_kernel, q_lat.device)
     q_lat_c = q_lat.contiguous()  # [B, H, Dc]
     q_rope_c = q_rope.contiguous()  # [B, H, Dr]
     o_lat = torch.empty(B, H, Dc, dtype=q_lat.dtype, device=q_lat.device)  # [B, H, Dc]
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_lat.device) if return_lse else o_lat  # [B, H]
     if B == 0:
-        return o_lat
+        return (o_lat, lse) if return_lse else o_lat
     block_dc = max(16, triton.next_power_of_2(Dc))
     grid = (B, triton.cdiv(H, _BLOCK_H))
     _paged_mla_decode_kernel[grid](
@@ -217,6 +223,7 @@ def _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale
         block_tables,
         seq_lens,
         o_lat,
+        lse,
         float(scale),
         H,
         Dc,
@@ -232,9 +239,10 @@ def _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale
         BLOCK_DC=block_dc,
         BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
         HAS_ROPE=Dr > 0,
+        STORE_LSE=return_lse,
         num_warps=8 if block_dc >= 256 else 4,
     )
-    return o_lat
+    return (o_lat, lse) if return_lse else o_lat
 
 
 def paged_mla_decode(
@@ -247,7 +255,8 @@ def paged_mla_decode(
     scale: float,
     impl: str = "naive",
     check: bool = True,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Absorbed MLA attention of one new token per sequence over its paged latent cache.
 
     Args:
@@ -265,9 +274,13 @@ def paged_mla_decode(
         check: validate shapes, lengths and page ids (one host sync). The engine's hot path
             passes False: its block tables are verified by CacheManager.check_integrity instead.
 
+        return_lse: also return lse [B, H] fp32, the log-sum-exp of the scaled scores: what
+            merging with attention over other rows needs (`merge_attention`), and what
+            `paged_mla_weights` turns scores into probabilities with.
+
     Returns:
         o_lat: [B, H, Dc] in q_lat's dtype (math in fp32), the attention-weighted latent;
-        the caller applies W_uv. A new tensor.
+        the caller applies W_uv. A new tensor. (o_lat, lse) with return_lse.
 
     Raises ValueError on bad shapes/dtypes, seq_lens out of range or a needed page id
     outside [0, num_pages) (checked with one host sync); RuntimeError if impl="triton" cannot
@@ -277,5 +290,5 @@ def paged_mla_decode(
     if check:
         _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens)
     if impl == "naive":
-        return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale)
-    return _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale)
+        return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)
+    return _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)
