@@ -4,6 +4,7 @@ See memory/page_pool.py for the words (cache group, slot, head-major KDA unit, M
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ class CacheLayout:
     group_layers: int
     """Slots per page: layers per cache group (the last group of a kind may be shorter)."""
     num_heads: int
-    """KDA heads H."""
+    """KDA heads H in one page: the model's heads / tp_size (a TP rank holds only its share)."""
     head_dim: int
     """KDA key and value head dimension (dk = dv)."""
     conv_kernel: int
@@ -49,10 +50,12 @@ class CacheLayout:
     """Element type of KDA pages (S and conv tails)."""
     cache_dtype: torch.dtype = torch.float32
     """Element type of MLA pages."""
+    tp_size: int = 1
+    """Tensor-parallel degree this layout is one rank's share of (see `shard`); 1 = the whole model."""
 
     def __post_init__(self) -> None:
         for name in ("group_layers", "num_heads", "head_dim", "conv_kernel", "latent_dim", "block_tokens",
-                     "page_bytes"):
+                     "page_bytes", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"cache layout: {name}={value!r}, expected a positive integer")
@@ -86,7 +89,7 @@ class CacheLayout:
     def for_model(cls, config: ModelConfig, *, group_layers: int | None = None,
                   state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.float32,
                   block_tokens_multiple: int = 16, page_align_bytes: int = 256,
-                  block_tokens: int | None = None) -> "CacheLayout":
+                  block_tokens: int | None = None, tp_size: int = 1) -> "CacheLayout":
         """Derive the layout of `config`'s caches.
 
         group_layers: defaults to the number of MLA layers (3:1 model -> 3 KDA groups + 1 MLA group);
@@ -97,6 +100,8 @@ class CacheLayout:
           without KDA layers has nothing to match and uses block_tokens_multiple (vLLM's default 16).
           An explicit value overrides the derivation; page_bytes still fits both page kinds.
         page_bytes = max(KDA state bytes, MLA block bytes), rounded up to page_align_bytes.
+        tp_size: the layout of one tensor-parallel rank, `for_model(config).shard(tp_size)`: block_tokens
+          and page_bytes are those of the whole model (TP 1) at every degree.
         """
         kda, mla = config.kda_layers, config.mla_layers
         if group_layers is None:
@@ -123,9 +128,39 @@ class CacheLayout:
         return cls(kda_groups=_chunk(kda, group_layers), mla_groups=_chunk(mla, group_layers),
                    group_layers=group_layers, num_heads=config.linear_num_heads, head_dim=dk, conv_kernel=kernel,
                    latent_dim=config.mla_latent_dim, block_tokens=block_tokens,
-                   page_bytes=_round_up(needed, page_align_bytes), state_dtype=state_dtype, cache_dtype=cache_dtype)
+                   page_bytes=_round_up(needed, page_align_bytes), state_dtype=state_dtype,
+                   cache_dtype=cache_dtype).shard(tp_size)
+
+    def shard(self, tp_size: int) -> "CacheLayout":
+        """The layout of one rank of a tensor-parallel degree `tp_size` (of the same model, whatever
+        this layout's own degree): KDA heads split evenly, rank r holding heads [r*H/t, (r+1)*H/t) in
+        the same head-major order, so its KDA page is a byte range of the TP-1 page. MLA pages are
+        replicated (every query head reads the whole latent), so they are the same at every degree.
+
+        block_tokens and page_bytes do not change with tp_size: an MLA page keeps its tokens (block
+        tables, hash-block boundaries and partial tails are TP-independent, so a transfer re-slices
+        bytes inside each page and never re-blocks tokens) and a page is page_bytes at every degree
+        (one host pool serves all). The price: a TP-t rank's KDA page uses 1/t of the page.
+        """
+        full_heads = self.num_heads * self.tp_size
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size <= 0 or full_heads % tp_size:
+            raise ValueError(f"cache layout: tp_size={tp_size!r} does not split num_heads={full_heads} KDA heads "
+                             f"evenly; expected a positive divisor of {full_heads}")
+        return dataclasses.replace(self, num_heads=full_heads // tp_size, tp_size=tp_size)
 
     # ---- derived figures -------------------------------------------------------------------------
+    @property
+    def full_num_heads(self) -> int:
+        """The model's KDA heads (all TP ranks together)."""
+        return self.num_heads * self.tp_size
+
+    def rank_heads(self, tp_rank: int) -> range:
+        """The model's KDA heads that TP rank `tp_rank` holds, in page order."""
+        if not isinstance(tp_rank, int) or not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"cache layout: tp_rank={tp_rank!r}, expected 0..{self.tp_size - 1} "
+                             f"(tp_size={self.tp_size})")
+        return range(tp_rank * self.num_heads, (tp_rank + 1) * self.num_heads)
+
     @property
     def kda_unit_elems(self) -> int:
         """Elements of one head of one layer: S [dk, dv] + conv tails [3, kernel-1, dk]."""
@@ -189,4 +224,6 @@ class CacheLayout:
                 f"kda_groups={[list(g) for g in self.kda_groups]} ({self.kda_state_bytes_per_group:,} B, "
                 f"{str(self.state_dtype).removeprefix('torch.')}, pad {self.kda_padding_bytes:,}) "
                 f"mla_groups={[list(g) for g in self.mla_groups]} ({self.mla_block_bytes:,} B, "
-                f"{str(self.cache_dtype).removeprefix('torch.')}, pad {self.mla_padding_bytes:,})")
+                f"{str(self.cache_dtype).removeprefix('torch.')}, pad {self.mla_padding_bytes:,})"
+                + (f" tp_size={self.tp_size} ({self.num_heads} of {self.full_num_heads} KDA heads)"
+                   if self.tp_size > 1 else ""))

@@ -260,6 +260,32 @@ class PagePool:
             index = torch.tensor(pages, dtype=torch.long, device=self.device)
             self._buffer.index_copy_(0, index, data.to(self.device, non_blocking=True))
 
+    def read_byte_range(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """A copy of bytes [start, end) of each page, uint8 [len(pages), end - start] (one gather of
+        only those bytes): the unit of a tensor-parallel re-slice (memory/tp_reshard.py)."""
+        self._check_awake("read_byte_range")
+        pages = [self._check_used(page, "read_byte_range") for page in pages]
+        self._check_byte_range(start, end, "read_byte_range")
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return self._buffer[:, start:end].index_select(0, index)
+
+    def write_byte_range(self, pages: list[int], start: int, data: torch.Tensor) -> None:
+        """Overwrite bytes [start, start + data.shape[1]) of each page with `data` uint8 [len(pages), n]
+        (one scatter; `data` may live on another device). The pages' other bytes are untouched.
+        Pages must be in use and distinct."""
+        self._check_awake("write_byte_range")
+        pages = [self._check_used(page, "write_byte_range") for page in pages]
+        if data.dim() != 2 or data.shape[0] != len(pages) or data.dtype != torch.uint8:
+            raise ValueError(f"page pool: write_byte_range got {data.dtype} {tuple(data.shape)}, expected uint8 "
+                             f"[{len(pages)}, num_bytes]")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"page pool: write_byte_range pages {pages} have duplicates, expected distinct pages")
+        end = start + data.shape[1]
+        self._check_byte_range(start, end, "write_byte_range")
+        if pages:
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
+            self._buffer[:, start:end].index_copy_(0, index, data.to(self.device, non_blocking=True))
+
     # ---- sleep / wake ---------------------------------------------------------------------------
     def release(self) -> None:
         """Sleep: free the buffer's memory (its storage is resized to 0 bytes, so memory is freed even
@@ -339,6 +365,11 @@ class PagePool:
         if self._refcounts[page] == 0:
             raise ValueError(f"page pool: {what} on free page {page}, expected a page in use (refcount >= 1)")
         return page
+
+    def _check_byte_range(self, start: int, end: int, what: str) -> None:
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= self.layout.page_bytes):
+            raise ValueError(f"page pool: {what} bytes [{start!r}, {end!r}), expected 0 <= start <= end <= "
+                             f"page_bytes={self.layout.page_bytes}")
 
     def _check_group(self, group: tuple[str, int]) -> tuple[str, int]:
         group = tuple(group)
