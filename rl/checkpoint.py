@@ -2,6 +2,12 @@
 optimizer shards, the rollout driver's state, RNG), written into a temporary directory renamed
 into place, then the `latest` marker replaced; a kill at any point leaves the previous complete
 checkpoint in charge. Older ones are removed once the new one is in place.
+
+With several ranks (run_dir on a filesystem every rank sees): rank 0 prepares and publishes the
+directory and writes the weights; every rank writes its optimizer shard (`optimizer-rank{r}.pt`),
+its driver state (`driver-rank{r}.json`: its groups in flight) and its RNG (`rng-rank{r}.pt`);
+barriers between the steps. `iteration.json` records the world size; a checkpoint resumes only
+with the same number of ranks.
 """
 from __future__ import annotations
 
@@ -19,32 +25,59 @@ if TYPE_CHECKING:
 
 def save_iteration(p: LoopParts, iteration: int) -> Path:
     """Write iteration `iteration`'s checkpoint (trainer, rollout state, RNG) atomically: into a
-    temporary directory renamed into place, then `latest` updated; older ones removed."""
+    temporary directory renamed into place, then `latest` updated; older ones removed. Collective
+    over the ranks: on return the checkpoint is complete for every rank."""
+    ranks = p.ranks
     final = p.checkpoint_dir / f"iter_{iteration:06d}"
     tmp = p.checkpoint_dir / f".tmp_iter_{iteration:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if ranks.is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ranks.barrier()  # the directory exists, empty, before anyone writes into it
     p.trainer.save(tmp)
-    (tmp / "driver.json").write_text(json.dumps(p.driver.state_dict()))
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = p.checkpoint_dir / "latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, p.checkpoint_dir / "latest")
-    for old in p.checkpoint_dir.glob("iter_*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    (tmp / f"driver-rank{ranks.rank}.json").write_text(json.dumps(p.driver.state_dict()))
+    torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank{ranks.rank}.pt")
+    ranks.barrier()  # every rank's files are written
+    if ranks.is_writer:
+        (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration, "world_size": ranks.world}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = p.checkpoint_dir / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, p.checkpoint_dir / "latest")
+        for old in p.checkpoint_dir.glob("iter_*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()  # published before any rank goes on
     return final
 
 
-def load_latest(p: LoopParts) -> int | None:
-    """Restore the last complete iteration's checkpoint; returns its iteration (None if none)."""
-    marker = p.checkpoint_dir / "latest"
+def latest_info(checkpoint_dir: Path) -> dict | None:
+    """The last complete checkpoint's `iteration.json` ({"iteration", "world_size"}), None if none."""
+    marker = checkpoint_dir / "latest"
     if not marker.exists():
         return None
-    path = p.checkpoint_dir / marker.read_text().strip()
+    info = json.loads((checkpoint_dir / marker.read_text().strip() / "iteration.json").read_text())
+    return {"world_size": 1, **info}
+
+
+def check_world_size(info: dict, world: int, checkpoint_dir: Path) -> None:
+    if info["world_size"] != world:
+        raise ValueError(f"{checkpoint_dir} holds iteration {info['iteration']} of a run with {info['world_size']} "
+                         f"rank(s) (its optimizer shards and groups in flight are split that way); resume it with "
+                         f"the same number of ranks (torchrun --nproc_per_node ... with {info['world_size']} in all), "
+                         f"not {world}")
+
+
+def load_latest(p: LoopParts) -> int | None:
+    """Restore the last complete iteration's checkpoint (this rank's shard and state); returns its
+    iteration (None if none). A checkpoint of another world size raises ValueError."""
+    info = latest_info(p.checkpoint_dir)
+    if info is None:
+        return None
+    check_world_size(info, p.ranks.world, p.checkpoint_dir)
+    path = p.checkpoint_dir / (p.checkpoint_dir / "latest").read_text().strip()
     p.trainer.load(path)
-    p.driver.load_state_dict(json.loads((path / "driver.json").read_text()))
-    torch.set_rng_state(torch.load(path / "rng.pt")["torch"])
-    return json.loads((path / "iteration.json").read_text())["iteration"]
+    p.driver.load_state_dict(json.loads((path / f"driver-rank{p.ranks.rank}.json").read_text()))
+    torch.set_rng_state(torch.load(path / f"rng-rank{p.ranks.rank}.pt")["torch"])
+    return info["iteration"]

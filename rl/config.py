@@ -51,7 +51,8 @@ class AlgoConfig:
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     groups_per_iteration: int = 16
-    """New prompt groups started each iteration (each of algo.group_size trajectories)."""
+    """New prompt groups started each iteration (each of algo.group_size trajectories), over all ranks
+    together: rank r generates the groups g with g % world == r."""
     max_new_tokens: int = 4
     """Tokens per policy turn at most."""
     temperature: float = 1.0
@@ -110,7 +111,7 @@ class RolloutConfig:
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
     pool_mb: int = 16
-    """Device page pool of the rollout engine, MiB."""
+    """Device page pool of the rollout engine, MiB, per rank (each rank's engine has its own)."""
     release_pool_in_train: bool = True
     """Release the engine's pool while training (colocated: training gets the memory back)."""
     reference: str = "stream"
@@ -119,9 +120,10 @@ class MemoryConfig:
     second model on the device)."""
     host_pool_mb: int = 0
     """Host KV pool, MiB (leased from the host-DRAM ledger): the prefix cache's second tier, and
-    where paused partial rollouts wait while the device pool is released; 0 = none."""
+    where paused partial rollouts wait while the device pool is released; per rank; 0 = none."""
     host_budget_mb: int | None = None
-    """Host-DRAM ledger budget, MiB; null = MemAvailable less a 10% reserve."""
+    """Host-DRAM ledger budget of one node, MiB, split evenly among the node's ranks; null = MemAvailable
+    less a 10% reserve."""
     spill_dir: str | None = None
     """NVMe directory the optimizer's host states are spilled to after each iteration (restored before
     the next update; memory/nvme_store.py); relative = under run_dir; null = they stay in host DRAM."""

@@ -10,6 +10,8 @@ unfinished trajectories stop where they are and carry over to the next iteration
 tokens they have. They continue either by recompute (a new request whose prompt includes the
 partial answer, computed under the new weights) or, with `partial_resume="kv"`, by resuming the
 paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
+Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
+(g % world == rank); a group stays on its rank until trained.
 An environment that raises drops that trajectory (counted, logged with its id); the run goes on.
 """
 from __future__ import annotations
@@ -68,8 +70,14 @@ class RolloutDriver:
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, *, group_size: int,
                  groups_per_iteration: int, max_new_tokens: int, sampling: dict, seed: int,
                  throttle: ThrottleConfig, budget_tokens: int | None = None, budget_seconds: float | None = None,
-                 partial_resume: str = "recompute") -> None:
+                 partial_resume: str = "recompute", rank: int = 0, world: int = 1) -> None:
+        """groups_per_iteration counts global groups; with `world` > 1 ranks this driver generates only
+        the groups g with g % world == rank (every seed derives from the run seed and the global g,
+        so the episodes and sampled tokens do not depend on the number of ranks)."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
         self.engine, self.tokenizer = engine, tokenizer
+        self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
         try:
             make_task(task_name, **self.task_params)  # fail now, with the task's own message
@@ -163,6 +171,11 @@ class RolloutDriver:
         stats["dropped"] += 1
         self.errors.append(f"trajectory {traj.traj_id}: {type(err).__name__}: {err}")
 
+    @property
+    def groups_next_iteration(self) -> int:
+        """New groups this rank starts in the next `run_iteration` (its share of the global ones)."""
+        return sum(g % self.world == self.rank for g in range(self.next_group, self.next_group + self.groups_per_iteration))
+
     # ---- one iteration ---------------------------------------------------------------------------------
     def run_iteration(self, progress=None) -> dict[str, float]:
         """Continue carried-over trajectories, start this iteration's new groups, stop at the budget.
@@ -185,6 +198,8 @@ class RolloutDriver:
             dispatcher.adopt(request_id, *self._request(trajs, stats))
         for _ in range(self.groups_per_iteration):
             group, self.next_group = self.next_group, self.next_group + 1
+            if group % self.world != self.rank:
+                continue  # another rank's share
             trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0) for m in range(self.group_size)]
             self.group_sizes[group] = self.group_size
             try:

@@ -11,6 +11,9 @@ Owns everything a run writes to `run_dir` for humans to read:
 - `wandb_id.txt` — the wandb run id, so a resumed run continues the same wandb run.
 - `reward.png`, `memory.png`, `summary.json` — written by `Tracker.finish`.
 
+In a multi-rank run only the writer (rank 0) has an enabled Tracker; the others are built with
+`writer=False` and write, print and import nothing (the loop hands rank 0 the global figures).
+
 Invariants: every appended line is flushed and fsynced before `log` returns, so `kill -9` loses at
 most the line being written; `read_jsonl` skips such a truncated last line. On resume after
 iteration N both .jsonl files are rewritten atomically (tmp + os.replace) keeping only records
@@ -98,13 +101,18 @@ class Tracker:
     """Writes one run's metrics and memory timeline (see module docstring for the files)."""
 
     def __init__(self, run_dir: str | Path, config: TrackingConfig, run_config: dict,
-                 resume_from_iteration: int | None = None):
+                 resume_from_iteration: int | None = None, writer: bool = True):
+        """writer=False (ranks other than 0): every method is a no-op, the console is quiet."""
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config = config
+        self.writer = writer
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.phases_path = self.run_dir / "phases.jsonl"
-        self.console = Console()
+        self.console = Console(quiet=not writer)
+        self._wandb_run = None
+        if not writer:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         # Existing files are always rewritten (drops a truncated tail); on resume, also the records
         # of iterations after the last complete one, which the resumed run will log again.
         for path in (self.metrics_path, self.phases_path):
@@ -113,7 +121,6 @@ class Tracker:
                 if resume_from_iteration is not None:
                     records = [r for r in records if r["iteration"] <= resume_from_iteration]
                 _rewrite(path, records)
-        self._wandb_run = None
         if config.wandb_mode != "disabled":
             import wandb
 
@@ -128,6 +135,8 @@ class Tracker:
         """Append `{"iteration": iteration, **metrics}` to metrics.jsonl (durable on return) and
         send it to wandb at step=iteration. Non-numeric values raise TypeError, nothing written."""
         clean = {name: _check_number(name, value) for name, value in metrics.items()}
+        if not self.writer:
+            return
         _append_line(self.metrics_path, {"iteration": int(iteration), **clean})
         if self._wandb_run is not None:
             self._wandb_run.log(clean, step=int(iteration))
@@ -135,6 +144,8 @@ class Tracker:
     def log_phase(self, iteration: int, phase: str, seconds: float, bytes_moved: int,
                   memory: dict[str, int]) -> None:
         """Append one memory-timeline record to phases.jsonl (durable on return)."""
+        if not self.writer:
+            return
         _append_line(self.phases_path, {
             "iteration": int(iteration), "phase": str(phase),
             "seconds": _check_number("seconds", seconds), "bytes_moved": _check_number("bytes_moved", bytes_moved),
@@ -142,15 +153,17 @@ class Tracker:
         })
 
     def rollout_progress(self, total: int) -> RolloutProgress:
-        return RolloutProgress(total, self.console, enabled=self.config.progress)
+        return RolloutProgress(total, self.console, enabled=self.config.progress and self.writer)
 
     def train_progress(self, total_steps: int) -> TrainProgress:
-        return TrainProgress(total_steps, self.console, enabled=self.config.progress)
+        return TrainProgress(total_steps, self.console, enabled=self.config.progress and self.writer)
 
     def finish(self, summary: dict[str, float]) -> None:
         """Write the plots (those with data, if enabled) and summary.json, print the summary
         table, and finish the wandb run."""
         clean = {name: _check_number(name, value) for name, value in summary.items()}
+        if not self.writer:
+            return
         if self.config.plots:
             _plot_reward(read_jsonl(self.metrics_path), self.run_dir / "reward.png")
             _plot_memory(read_jsonl(self.phases_path), self.run_dir / "memory.png")

@@ -5,12 +5,17 @@ the policy, the rollout engine (its own copy of the weights, refreshed every ite
 trainer, the rollout driver and the tracker, then runs rl/orchestrator.py's loop. A run directory
 holds one run: starting again in a used one without `resume=true` is refused, so nothing is
 overwritten by accident.
+
+Under `torchrun --nproc_per_node N -m rl.train ...` every rank runs this same entry point: its own
+engine on its share of the prompt groups, one data-parallel trainer over all ranks (rl/ranks.py,
+rl/orchestrator.py); rank 0 alone writes metrics, plots, wandb and the console.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,14 +23,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from memory.host_ledger import HostLedger
+from memory.host_ledger import HostLedger, mem_available_bytes
 from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights
 from models.model import HybridLM
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig, register_configs, to_run_config
-from rl.checkpoint import load_latest
+from rl.checkpoint import check_world_size, latest_info, load_latest
 from rl.orchestrator import LoopParts, run_loop
+from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
 from rollout.dispatcher import ThrottleConfig
@@ -45,12 +51,20 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
     return model.init_weights(seed=cfg.seed, std=cfg.experiment.init_std)
 
 
-def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
+def host_budget_bytes(cfg: RunConfig, ranks: Ranks) -> int:
+    """This rank's host-DRAM ledger budget: memory.host_budget_mb (or MemAvailable less 10%) is the
+    node's, split evenly among the ranks on the node."""
+    node = (cfg.memory.host_budget_mb << 20 if cfg.memory.host_budget_mb is not None
+            else int(mem_available_bytes() * 0.9))
+    return node // ranks.local_world
+
+
+def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> LoopParts:
     torch.manual_seed(cfg.seed)
-    policy = initial_policy(cfg)
+    policy = initial_policy(cfg)  # the same weights on every rank: the seed is the run's
     engine_model = HybridLM(cfg.model)
     engine_model.load_state_dict(policy.state_dict())
-    ledger = HostLedger(None if cfg.memory.host_budget_mb is None else cfg.memory.host_budget_mb << 20)
+    ledger = HostLedger(host_budget_bytes(cfg, ranks))
     engine = Engine(engine_model, EngineConfig(
         max_model_len=cfg.rollout.max_model_len, pool_bytes=cfg.memory.pool_mb << 20,
         max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
@@ -59,7 +73,8 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
                       if cfg.rollout.prefix_hash_block else None)), ledger=ledger)
     t = cfg.trainer
     trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
-                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps), ledger=ledger)
+                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps),
+                      group=ranks.group, ledger=ledger)
     r = cfg.rollout
     driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params,
                            group_size=cfg.algo.group_size, groups_per_iteration=r.groups_per_iteration,
@@ -67,12 +82,12 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
                            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
                            seed=cfg.seed, throttle=ThrottleConfig(max_concurrency=r.concurrency),
                            budget_tokens=r.budget_tokens, budget_seconds=r.budget_seconds,
-                           partial_resume=r.partial_resume)
+                           partial_resume=r.partial_resume, rank=ranks.rank, world=ranks.world)
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     store = NvmeStore(run_dir / cfg.memory.spill_dir) if cfg.memory.spill_dir is not None else None
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
-                      resume_from_iteration=resume_from)
+                      resume_from_iteration=resume_from, writer=ranks.is_writer)
     ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None
     if ref is not None and cfg.memory.reference == "stream":
         # Host copies per VPP chunk, streamed through the trainer's idle gradient slots; the
@@ -81,14 +96,8 @@ def build(cfg: RunConfig, resume_from: int | None) -> LoopParts:
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
-                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store)
-
-
-def _last_complete(run_dir: Path) -> int | None:
-    marker = run_dir / "checkpoints" / "latest"
-    if not marker.exists():
-        return None
-    return json.loads((marker.parent / marker.read_text().strip() / "iteration.json").read_text())["iteration"]
+                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
+                     ranks=ranks)
 
 
 def _fault_from_env():
@@ -107,20 +116,35 @@ def _fault_from_env():
 
 
 def run(cfg: RunConfig) -> list[dict[str, float]]:
-    """One run (or its continuation with cfg.resume); returns the metrics of the iterations run."""
+    """One run (or its continuation with cfg.resume); returns the metrics of the iterations run
+    (global over ranks, on every rank). Under torchrun the process group lives for this call."""
+    ranks = init_ranks()  # the models live on the CPU for now: gloo (rl/ranks.py takes "cuda" -> NCCL)
+    try:
+        return _run(cfg, ranks)
+    finally:
+        shutdown(ranks)
+
+
+def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
     run_dir = Path(cfg.run_dir)
-    last = _last_complete(run_dir)
-    if last is not None and not cfg.resume:
-        raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last complete iteration {last}); "
-                              f"pass resume=true to continue it or choose another run_dir")
-    parts = build(cfg, resume_from=last if cfg.resume else None)
+    # every rank must see the same run_dir (a shared filesystem across nodes)
+    info = ranks.check_same(f"run_dir {str(run_dir)!r}'s last checkpoint", latest_info(run_dir / "checkpoints"))
+    if info is not None and not cfg.resume:
+        raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last complete iteration "
+                              f"{info['iteration']}); pass resume=true to continue it or choose another run_dir")
+    if info is not None:
+        check_world_size(info, ranks.world, run_dir / "checkpoints")
+    last = info["iteration"] if info is not None else None
+    parts = build(cfg, resume_from=last if cfg.resume else None, ranks=ranks)
     start = 0
     if cfg.resume and last is not None:
         start = load_latest(parts) + 1
-        parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}")
+        parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}"
+                                    + (f" on {ranks.world} ranks" if ranks.world > 1 else ""))
     history = run_loop(parts, start, cfg.experiment.iterations, fault=_fault_from_env())
-    summary = _summary(run_dir)
-    parts.tracker.finish(summary)
+    if ranks.is_writer:
+        parts.tracker.finish(_summary(run_dir))
+    ranks.barrier()  # rank 0's files are complete when any rank returns
     return history
 
 
@@ -144,4 +168,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     main()

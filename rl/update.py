@@ -58,10 +58,18 @@ def reference_logprobs(ref_model: HybridLM | StreamedReference, batch: PackedBat
 
 
 def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig, micro_batch_tokens: int | None,
-                  ref_logp: torch.Tensor | None = None) -> dict[str, float]:
-    """One optimizer step on the batch; returns the trainer's and the loss's metrics."""
-    total_valid = max(1, int(batch.mask.sum()))
-    total_seqs = batch.num_sequences
+                  ref_logp: torch.Tensor | None = None,
+                  global_counts: tuple[int, int] | None = None) -> dict[str, float]:
+    """One optimizer step on the batch; returns the trainer's and the loss's metrics (this rank's).
+
+    global_counts: (policy tokens, sequences) of the whole step's batch over all data-parallel
+    ranks; None = this batch's own (one rank). Each micro-batch's loss is weighted by its share of
+    these, and the trainer sums gradients over micro-batches and ranks, so N ranks that split the
+    groups between them take the same step as one rank with all of them (up to fp32 summation
+    order). A rank's batch may be empty (no groups this step): it still joins the step's collectives."""
+    total_valid, total_seqs = global_counts if global_counts is not None else (int(batch.mask.sum()),
+                                                                               batch.num_sequences)
+    total_valid = max(1, total_valid)
     token_level = loss_config.aggregation == "token-mean"
     loss_metrics: dict[str, float] = {}
 
@@ -93,5 +101,5 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     metrics = trainer.train_step(batch.token_ids, batch.seq_lens, batch.targets, loss_fn, micro_batch_tokens)
     stale = batch.versions[batch.mask]
     return {**{f"loss/{k}": v for k, v in loss_metrics.items()}, **metrics,
-            "train_tokens": float(batch.mask.sum()), "train_sequences": float(total_seqs),
+            "train_tokens": float(batch.mask.sum()), "train_sequences": float(batch.num_sequences),
             "stale_token_frac": float((stale < stale.max()).float().mean()) if stale.numel() else 0.0}

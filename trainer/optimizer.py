@@ -115,9 +115,10 @@ class ShardedHostAdamW:
             raise RuntimeError(f"optimizer step without gradients for chunks {missing}")
         self.adam.step()
         for c, (params, master) in enumerate(zip(self.chunk_params, self.masters)):
-            if self.world > 1:
-                pieces = [torch.empty_like(master.data) for _ in range(self.world)]
-                dist.all_gather(pieces, master.data.contiguous(), group=self.group)
+            if self.world > 1:  # gathered on the parameters' device (NCCL cannot gather host tensors)
+                mine = master.data.to(params[0].device)
+                pieces = [torch.empty_like(mine) for _ in range(self.world)]
+                dist.all_gather(pieces, mine, group=self.group)
                 flat = torch.cat(pieces)
             else:
                 flat = master.data

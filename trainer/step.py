@@ -169,7 +169,9 @@ class Trainer:
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """Forward/backward this rank's packed sequences and apply one optimizer step.
 
-        token_ids, targets: [N] packed; sequence i owns `seq_lens[i]` consecutive rows.
+        token_ids, targets: [N] packed; sequence i owns `seq_lens[i]` consecutive rows. With DP ranks a
+        rank may pass no sequence at all (N = 0): it still joins every collective (zero gradients)
+        and the same optimizer step.
         loss_fn(logprobs [n], rows [n]) gets a micro-batch's per-token logprobs and their row
         indices in the packed batch (to select advantages, masks, old logprobs...); it must be
         scaled so that summing it over micro-batches and ranks gives the global loss (e.g. divide
@@ -182,16 +184,19 @@ class Trainer:
         if self.states_spilled:
             raise RuntimeError("train_step while the optimizer states are spilled to "
                                f"{self.optimizer.store.directory}; call restore_states() first")
-        if len(seq_lens) == 0 or token_ids.numel() == 0:
+        empty = len(seq_lens) == 0
+        if (empty and self.optimizer.world == 1) or (not empty and token_ids.numel() == 0):
             raise ValueError("empty batch: train_step needs at least one sequence with one token")
         if token_ids.shape != targets.shape or sum(seq_lens) != token_ids.numel():
             raise ValueError(f"token_ids {tuple(token_ids.shape)}, targets {tuple(targets.shape)} and seq_lens "
                              f"(sum {sum(seq_lens)}) must describe the same packed tokens")
         self.model.train()
-        plan = micro_batches(seq_lens, micro_batch_tokens)
+        plan = micro_batches(seq_lens, micro_batch_tokens) if not empty else []
         # Every rank runs the same number of micro-batches (each one is a round of collectives);
-        # a rank with fewer sequences contributes zero gradients in its extra rounds.
-        rounds = torch.tensor([len(plan)])
+        # a rank with fewer sequences (or none: DP ranks without work this step) contributes zero
+        # gradients in its extra rounds.
+        comm = self.arena.device  # collectives on the gradients' device (NCCL needs CUDA tensors)
+        rounds = torch.tensor([len(plan)], device=comm)
         if self.optimizer.world > 1:
             dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
         offsets = [0]
@@ -210,7 +215,7 @@ class Trainer:
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
             loss = loss + part
         self.arena.check_integrity()
-        finite = torch.tensor([float(torch.isfinite(loss))])
+        finite = torch.tensor([float(torch.isfinite(loss))], device=comm)
         if self.optimizer.world > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
         metrics = {"loss": loss.item(), "micro_batches": float(len(plan)),
