@@ -18,6 +18,7 @@ Conv tails: the pool stores them per head as [3 (q, k, v), kernel-1, dk]; the la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,7 @@ from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
 from kernels.kda.recurrent import recurrent_kda
 from kernels.mla.paged import paged_mla_decode
+from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights
 from models.kda import KDALayer
 from models.mla import MLALayer
 from models.state import SegmentBatch
@@ -57,6 +59,23 @@ class PagedCaches:
     """MLA layer -> [num_pages, block_tokens, d_c + d_r] latent cache."""
 
 
+class KVObserver(Protocol):
+    """What token eviction (rollout/kv_eviction.py) hooks into the MLA layers of one step.
+
+    `seqs` are indices into the step's sequences. Slots are the sequence's compacted KV slots
+    (`PagedStep.kv_starts`), not token positions."""
+
+    def extra_kv(self, layer: int, seqs: list[int], q: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows to attend besides the pages: (kv [len(seqs), M, d_c + d_r], valid [len(seqs), M]
+        bool), or None. q: decode queries [len(seqs), H, d_c + d_r] (absorbed), None for prefill
+        (rows every query of the chunk may see: they are all older than the chunk)."""
+
+    def observe(self, layer: int, seqs: list[int], resident: torch.Tensor, extra: torch.Tensor | None) -> None:
+        """Attention probability received this layer, summed over heads (and a prefill chunk's
+        queries): resident [len(seqs), >= slots] per page slot, extra [len(seqs), M] per extra row."""
+
+
 @dataclass
 class PagedStep:
     """What one engine step runs: packed new tokens of several sequences and where their caches are."""
@@ -71,6 +90,12 @@ class PagedStep:
     check: bool = True
     """Let the kernels validate their inputs (a host sync each); the engine turns it off and
     relies on its own integrity checks."""
+    kv_starts: list[int] | None = None
+    """Per sequence, the MLA slot its first new token goes to: the KV it holds, which is less than
+    its token position once token eviction removed entries (None = batch.starts: nothing removed).
+    RoPE always uses token positions; slots, causal masks and attention lengths use these."""
+    kv_observer: KVObserver | None = None
+    """Token eviction's hook (attention weights out, offloaded rows in); None = plain attention."""
 
     @property
     def decode_seqs(self) -> list[int]:
@@ -130,14 +155,20 @@ class PagedMixer:
         else:
             self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long)  # [Bd]
             self.decode_index = torch.tensor(self.decode, dtype=torch.long)  # [Bd]
-        self.positions = batch.positions()  # [N]
+        self.positions = batch.positions()  # [N] token positions (RoPE)
         self.seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens)),
                                                     torch.tensor(batch.new_lens))  # [N]
-        self.decode_seq_lens = torch.tensor([batch.starts[i] + 1 for i in self.decode], dtype=torch.long)  # [Bd]
+        self.kv_starts = batch.starts if step.kv_starts is None else list(step.kv_starts)
+        if step.kv_starts is None:
+            self.slot_positions = self.positions  # [N] MLA slot of each new token
+        else:
+            shift = torch.tensor([k - s for k, s in zip(self.kv_starts, batch.starts)], dtype=torch.long)
+            self.slot_positions = self.positions + shift[self.seq_of_token]
+        self.decode_seq_lens = torch.tensor([self.kv_starts[i] + 1 for i in self.decode], dtype=torch.long)  # [Bd]
         self._write_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(table) -> (pages, slots)
         self.prefill_groups = _length_buckets(self.prefill, [batch.new_lens[i] for i in self.prefill])
         # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
-        self.attn_groups = _length_buckets(self.prefill, [batch.starts[i] + batch.new_lens[i] for i in self.prefill])
+        self.attn_groups = _length_buckets(self.prefill, [self.kv_starts[i] + batch.new_lens[i] for i in self.prefill])
         self._packings: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     def _packing(self, seqs: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -215,7 +246,8 @@ class PagedMixer:
         # cache group share a block table, so their write slots are computed once per step.
         slots = self._write_slots.get(id(tables))
         if slots is None:
-            slots = (tables[self.seq_of_token, self.positions // block_tokens], self.positions % block_tokens)
+            slots = (tables[self.seq_of_token, self.slot_positions // block_tokens],
+                     self.slot_positions % block_tokens)
             self._write_slots[id(tables)] = slots
         cache[slots] = latent.to(cache.dtype)
         w_uk, w_uv = layer.up_projections()
@@ -224,14 +256,39 @@ class PagedMixer:
             rows = self.decode_rows
             # Head-batched matmuls (cheaper than the equivalent einsums at these sizes).
             q_lat = torch.bmm(q_nope[rows].float().transpose(0, 1), w_uk.float()).transpose(0, 1)  # [Bd, H, d_c]
-            o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index], self.decode_seq_lens,
-                                     scale=layer.scale, impl=self.step.impl, check=self.step.check)
+            if self.step.kv_observer is None:
+                o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index],
+                                         self.decode_seq_lens, scale=layer.scale, impl=self.step.impl,
+                                         check=self.step.check)
+            else:
+                o_lat = self._observed_decode(index, layer, q_lat, q_rope[rows].float(), cache,
+                                              tables[self.decode_index])
             out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(out.dtype)
         for group in self.attn_groups:
-            self._mla_prefill(layer, group, q_nope, q_rope, cache, tables, out)
+            self._mla_prefill(index, layer, group, q_nope, q_rope, cache, tables, out)
         return layer.output(x, out)
 
-    def _mla_prefill(self, layer: MLALayer, seqs: list[int], q_nope: torch.Tensor, q_rope: torch.Tensor,
+    def _observed_decode(self, index: int, layer: MLALayer, q_lat: torch.Tensor, q_rope: torch.Tensor,
+                         cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Decode attention for token eviction: over the pages plus the observer's extra rows
+        (merged exactly, as one softmax over both), reporting what each slot and row received.
+        Without extra rows the output is the plain path's, bit for bit."""
+        obs, seqs, lens = self.step.kv_observer, self.decode, self.decode_seq_lens
+        o_lat, lse = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=layer.scale, impl=self.step.impl,
+                                      check=self.step.check, return_lse=True)
+        q_full = torch.cat([q_lat, q_rope], dim=-1)  # [Bd, H, d_c + d_r]
+        extra = obs.extra_kv(index, seqs, q_full)
+        extra_weights = None
+        if extra is not None:
+            o_extra, lse_extra, scores = dense_attention(q_full, extra[0], extra[1], scale=layer.scale,
+                                                         value_dim=layer.kv_lora_rank)
+            o_lat, lse = merge_attention(o_lat, lse, o_extra, lse_extra)
+            extra_weights = (scores - lse[..., None]).exp().sum(dim=1)  # [Bd, M]
+        weights = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse, scale=layer.scale, impl=self.step.impl)
+        obs.observe(index, seqs, weights, extra_weights)
+        return o_lat.to(q_lat.dtype)
+
+    def _mla_prefill(self, index: int, layer: MLALayer, seqs: list[int], q_nope: torch.Tensor, q_rope: torch.Tensor,
                      cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
         """Causal attention of several sequences' new tokens over their pages (absorbed form, as
         decode): queries right-padded to the longest chunk, whole pages gathered per sequence.
@@ -241,8 +298,9 @@ class PagedMixer:
         num, (width, src, dst) = len(seqs), self._packing(seqs)
         heads, d_c = layer.num_heads, layer.kv_lora_rank
         w_uk, w_uv = (w.float() for w in layer.up_projections())
-        starts = torch.tensor([batch.starts[i] for i in seqs])  # [Bp]
-        ends = starts + torch.tensor([batch.new_lens[i] for i in seqs])  # [Bp]
+        starts = torch.tensor([self.kv_starts[i] for i in seqs])  # [Bp] first new slot
+        lens = torch.tensor([batch.new_lens[i] for i in seqs])  # [Bp]
+        ends = starts + lens  # [Bp]
         num_blocks = -(-int(ends.max()) // block_tokens)
         span = num_blocks * block_tokens
         needed = torch.arange(num_blocks) * block_tokens < ends[:, None]  # [Bp, nb]
@@ -251,14 +309,25 @@ class PagedMixer:
         kv_pos = torch.arange(span)
         if not bool(kv.sum().isfinite()):
             kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
-        q_pos = starts[:, None] + torch.arange(width)  # [Bp, Lq] absolute position of each query row
+        q_pos = starts[:, None] + torch.arange(width)  # [Bp, Lq] slot of each query row
         allowed = (kv_pos <= q_pos[..., None]) & (kv_pos < ends[:, None, None])  # [Bp, Lq, S]
+        obs = self.step.kv_observer
+        extra = obs.extra_kv(index, seqs, None) if obs is not None else None
+        if extra is not None:  # rows older than the chunk: every query row sees the valid ones
+            kv = torch.cat([kv, extra[0].float()], dim=1)  # [Bp, S + M, d_c + d_r]
+            allowed = torch.cat([allowed, extra[1][:, None, :].expand(num, width, -1)], dim=-1)
         qn = _pad(q_nope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dn]
         q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [Bp*Lq, H, d_c]
         qr = _pad(q_rope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dr]
         q = torch.cat([q_lat, qr], dim=-1).view(num, width * heads, width_kv)  # [Bp, Lq*H, d_c + d_r]
-        scores = (q @ kv.transpose(1, 2)).mul_(layer.scale).view(num, width, heads, span)
+        total = kv.shape[1]  # span, plus the extra rows
+        scores = (q @ kv.transpose(1, 2)).mul_(layer.scale).view(num, width, heads, total)
         scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
-        o_lat = (scores.softmax(dim=-1).view(num, width * heads, span) @ kv)[..., :d_c]  # [Bp, Lq*H, d_c]
+        probs = scores.softmax(dim=-1)
+        if obs is not None:
+            real = (torch.arange(width) < lens[:, None]).to(probs.dtype)  # [Bp, Lq] rows that are not padding
+            received = torch.einsum("bqhs,bq->bs", probs, real)  # [Bp, S + M]
+            obs.observe(index, seqs, received[:, :span], received[:, span:] if extra is not None else None)
+        o_lat = (probs.view(num, width * heads, total) @ kv)[..., :d_c]  # [Bp, Lq*H, d_c]
         o = torch.bmm(o_lat.reshape(num * width, heads, d_c).transpose(0, 1), w_uv.transpose(1, 2))  # [H, Bp*Lq, Dv]
         out.index_copy_(0, src, o.transpose(0, 1).index_select(0, dst).to(out.dtype))

@@ -18,18 +18,37 @@ from memory.page_pool import OutOfPages, PagePool
 from rollout.request import Sequence
 
 if TYPE_CHECKING:
+    from rollout.kv_eviction import KVEvictor
     from rollout.prefix_cache import PrefixCache
 
 
 class CacheManager:
-    def __init__(self, pool: PagePool, prefix: "PrefixCache | None" = None) -> None:
-        self.pool, self.prefix = pool, prefix
+    def __init__(self, pool: PagePool, prefix: "PrefixCache | None" = None,
+                 evictor: "KVEvictor | None" = None) -> None:
+        self.pool, self.prefix, self.evictor = pool, prefix, evictor
         self.layout = pool.layout
         self.num_kda_groups = len(self.layout.kda_groups)
         self.num_mla_groups = len(self.layout.mla_groups)
 
+    @property
+    def max_chunk(self) -> int | None:
+        """Most new tokens one step may give a sequence (a KV budget's limit), None = any."""
+        return self.evictor.config.max_chunk if self.evictor is not None else None
+
+    def make_room(self, seq: Sequence, num_new: int) -> bool:
+        """With a KV budget, evict so `seq` can take `num_new` tokens within it (see
+        rollout/kv_eviction.py); False (nothing changed) if copy-on-write lacks free pages."""
+        return self.evictor is None or self.evictor.make_room(seq, num_new)
+
+    def reset(self, seq: Sequence) -> None:
+        """Drop everything the sequence has cached: it will be recomputed from token 0."""
+        self.free(seq)
+        seq.num_computed = 0
+        if self.evictor is not None:
+            self.evictor.reset(seq)
+
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New pages `seq` needs to hold `num_tokens` tokens."""
+        """New pages `seq` needs to hold `num_tokens` MLA slots."""
         kda = 0 if seq.kda_pages else self.num_kda_groups
         have = len(seq.mla_pages[0]) if seq.mla_pages else 0
         return kda + self.num_mla_groups * max(0, self.layout.mla_pages_for(num_tokens) - have)
@@ -72,7 +91,7 @@ class CacheManager:
         first child takes over the parent's own references; the parent ends holding nothing.
         Raises OutOfPages (allocating nothing) if the copies do not fit.
         """
-        full = parent.num_computed // self.layout.block_tokens
+        full = parent.kv_len // self.layout.block_tokens
         partial = len(parent.mla_pages[0]) > full if parent.mla_pages else False
         copies_per_child = self.num_kda_groups + (self.num_mla_groups if partial else 0)
         if copies_per_child * (len(children) - 1) > self.pool.num_free:
@@ -93,6 +112,8 @@ class CacheManager:
                 child.mla_pages.append(shared + own)
         for child in children:
             child.num_computed = parent.num_computed
+        if self.evictor is not None:
+            self.evictor.fork(parent, children)
 
     def block_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Per MLA group, [num_seqs, max_blocks] int64 page ids (padded with -1)."""
@@ -120,10 +141,16 @@ class CacheManager:
             for group in s.mla_pages:
                 held.update(group)
             if s.holds_pages:
-                need = self.layout.mla_pages_for(s.num_computed)
+                need = self.layout.mla_pages_for(s.kv_len)
                 if s.mla_pages and len(s.mla_pages[0]) < need:
-                    raise AssertionError(f"sequence {s.seq_id} computed {s.num_computed} tokens but holds "
+                    raise AssertionError(f"sequence {s.seq_id} holds {s.kv_len} MLA slots but "
                                          f"{len(s.mla_pages[0])} MLA pages per group (< {need})")
+                if self.evictor is not None:
+                    self.evictor.check(s)
+                    if s.mla_pages and len(s.mla_pages[0]) > self.layout.mla_pages_for(
+                            self.evictor.config.budget_tokens):
+                        raise AssertionError(f"sequence {s.seq_id} holds {len(s.mla_pages[0])} MLA pages per group, "
+                                             f"more than its budget of {self.evictor.config.budget_tokens} tokens needs")
         for page, count in held.items():
             if self.pool.refcount(page) != count:
                 raise AssertionError(f"page {page}: pool refcount {self.pool.refcount(page)} but {count} "

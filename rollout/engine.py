@@ -28,6 +28,7 @@ from memory.layout import CacheLayout
 from memory.page_pool import OutOfPages, PagePool
 from models.model import HybridLM
 from rollout.cache_manager import CacheManager
+from rollout.kv_eviction import KVBudgetConfig, KVEvictor
 from rollout.model_runner import ModelRunner
 from rollout.prefix_cache import PrefixCache, PrefixCacheConfig
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
@@ -45,6 +46,8 @@ class EngineConfig:
     """Device pool size when num_pages is None."""
     group_layers: int | None = None
     """Layers per cache group (default: the number of MLA layers)."""
+    block_tokens: int | None = None
+    """Tokens per MLA page (default: derived so an MLA page is the size of a KDA state page)."""
     max_num_batched_tokens: int = 512
     """Per-step token budget (decode tokens + prefill chunks)."""
     max_num_seqs: int = 128
@@ -62,6 +65,9 @@ class EngineConfig:
     host_pool_bytes: int = 0
     """Host KV pool (memory/host_pool.py): the prefix cache's second tier and where paused
     sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given."""
+    kv_budget: KVBudgetConfig | None = None
+    """Token eviction for the MLA layers (rollout/kv_eviction.py: H2O or InfiniGen): at most
+    `budget_tokens` MLA slots per sequence on the device; None = full KV (the default)."""
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -77,7 +83,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
-        self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype)
+        self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype,
+                                            block_tokens=config.block_tokens)
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
                      else PagePool.from_bytes(self.layout, config.pool_bytes, device))
@@ -86,14 +93,19 @@ class Engine:
                      if config.host_pool_bytes else None)
         self._parked: dict[int, tuple[list[int], list[list[int]]]] = {}  # paused seq -> host pages, over a sleep
         prefix = PrefixCache(self.pool, config.prefix_cache, self.host) if config.prefix_cache is not None else None
-        self.cache = CacheManager(self.pool, prefix)
+        self.evictor = (KVEvictor(config.kv_budget, self.pool, model, ledger=ledger)
+                        if config.kv_budget is not None else None)
+        self.cache = CacheManager(self.pool, prefix, self.evictor)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
-        max_pages = self.cache.pages_for_tokens(config.max_model_len)
+        longest = config.max_model_len if config.kv_budget is None else min(config.max_model_len,
+                                                                            config.kv_budget.budget_tokens)
+        max_pages = self.cache.pages_for_tokens(longest)
         if max_pages > self.pool.num_pages:
-            raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of max_model_len="
-                             f"{config.max_model_len} tokens ({max_pages} pages): lower max_model_len or grow the pool")
+            raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
+                             f"({max_pages} pages; max_model_len={config.max_model_len}): lower max_model_len (or "
+                             f"the KV budget) or grow the pool")
         self.policy_version = 0
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -175,7 +187,8 @@ class Engine:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
                 "pool_utilization": self.pool.num_used / self.pool.num_pages, "peak_pages_used": self.peak_pages_used,
-                "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version}
+                "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version,
+                **({f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {})}
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -227,7 +240,7 @@ class Engine:
             self.cache.fork(parent, children)
         except OutOfPages:
             # Not enough pages for the private copies now: recompute the prompt per sample instead.
-            self.cache.free(parent)
+            self.cache.reset(parent)
             for child in children:
                 child.num_computed = 0
         for child in children:
@@ -322,7 +335,7 @@ class Engine:
             slots = list(dict.fromkeys(kda + [s for group in mla for s in group]))
             new = [s for s in slots if s not in page_of]
             if len(new) > pool.num_free:
-                seq.num_computed = 0  # no room: recomputed after resume
+                self.cache.reset(seq)  # no room: recomputed after resume
                 continue
             fresh = [pool.allocate(1, host.tag(s))[0] for s in new]
             host.load(new, pool, fresh)
@@ -339,6 +352,8 @@ class Engine:
             raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
         self.model.load_state_dict(state_dict, strict=True)
         self.policy_version = version
+        if self.evictor is not None and self.evictor.predictor is not None:
+            self.evictor.predictor.calibrate(self.model)  # the partial keys follow the weights
         if self.cache.prefix is not None:
             self.cache.prefix.set_version(version)  # old prefixes were computed by other weights
 

@@ -48,10 +48,13 @@ class ModelRunner:
                                   for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=torch.long)
         state_pages, tables = self.cache.state_pages(seqs), self.cache.block_tables(seqs)
         cfg = self.model.config
+        evictor = self.cache.evictor
+        observer = evictor.begin_step(seqs, list(step.num_new_tokens)) if evictor is not None else None
         paged = PagedStep(batch=batch,
                           state_pages={i: state_pages[self.layout.group_of(i)[1]] for i in cfg.kda_layers},
                           block_tables={i: tables[self.layout.group_of(i)[1]] for i in cfg.mla_layers},
-                          impl=self.impl, check=False)
+                          impl=self.impl, check=False,
+                          kv_starts=[s.kv_len for s in seqs] if evictor is not None else None, kv_observer=observer)
         hidden = self.model.run_layers(token_ids, PagedMixer(self.views, paged))  # [N, D]
         sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
         offsets = batch.offsets
@@ -59,4 +62,6 @@ class ModelRunner:
         logits = F.linear(hidden[last_rows], self.model.output_weight).float()
         for s, n in zip(seqs, step.num_new_tokens):
             s.num_computed += n
+        if observer is not None:
+            evictor.end_step(observer)
         return sampling, logits

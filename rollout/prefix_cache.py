@@ -203,7 +203,10 @@ class PrefixCache:
 
     # ---- after a forward pass ---------------------------------------------------------------------------
     def register(self, seq: Sequence) -> None:
-        """Index what the sequence has computed; checkpoint its KDA states at a hash-block boundary."""
+        """Index what the sequence has computed; checkpoint its KDA states at a hash-block boundary.
+        A sequence whose KV token eviction pruned registers nothing: its pages are not the prefix."""
+        if seq.kv_pruned:
+            return
         hb, done = self.config.hash_block, seq.num_computed
         hashes = self.hashes(seq, done)
         if self.num_mla and hashes:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.kv_eviction import SeqKV
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +55,8 @@ class Sequence:
     """Admission counter: preemption picks the most recently admitted sequence."""
     turn_boundaries: tuple[int, ...] = ()
     """Token positions where conversation turns end (the request's; the prefix cache checkpoints there)."""
+    kv: "SeqKV | None" = None
+    """With a KV budget (rollout/kv_eviction.py): which tokens its MLA slots hold; None = all of them."""
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    @property
+    def kv_len(self) -> int:
+        """MLA slots the sequence holds: num_computed, less what token eviction removed."""
+        return self.num_computed if self.kv is None else self.kv.length
+
+    @property
+    def kv_pruned(self) -> bool:
+        """Token eviction removed entries: the pages no longer hold the full prefix."""
+        return self.kv is not None and self.kv.pruned
 
     @property
     def holds_pages(self) -> bool:

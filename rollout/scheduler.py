@@ -70,7 +70,7 @@ class Scheduler:
             want = self._chunk(seq, budget)
             if want == 0:
                 break
-            while not self.cache.ensure_capacity(seq, seq.num_computed + want):
+            while not (self.cache.make_room(seq, want) and self.cache.ensure_capacity(seq, seq.kv_len + want)):
                 victim = self._pick_victim(exclude=step.seqs)
                 self._preempt(victim, step)
                 if victim is seq:
@@ -87,10 +87,9 @@ class Scheduler:
                     held_back.append(self.waiting.popleft())  # start after the longest cached prefix
                     continue
                 want = self._chunk(seq, budget)
-                if not self.cache.ensure_capacity(seq, seq.num_computed + want):
+                if not (self.cache.make_room(seq, want) and self.cache.ensure_capacity(seq, seq.kv_len + want)):
                     if seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
-                        self.cache.free(seq)
-                        seq.num_computed = 0
+                        self.cache.reset(seq)
                     break
                 self.waiting.popleft()
                 seq.status, seq.admitted_at = SeqStatus.RUNNING, self._admissions
@@ -106,7 +105,7 @@ class Scheduler:
         """Tokens `seq` computes this step. With a prefix cache, a prefill chunk that crosses a
         hash-block boundary ends on the last one it crosses (or earlier, on the one under a turn
         boundary), so the KDA state after the chunk is a checkpoint the cache can keep."""
-        want = min(seq.num_uncomputed, budget)
+        want = min(seq.num_uncomputed, budget, self.cache.max_chunk or budget)
         if self.cache.prefix is not None and want > 1:
             hb, start = self.cache.prefix.config.hash_block, seq.num_computed
             # Also stop at the hash boundary under a conversation-turn boundary: that checkpoint is
@@ -126,8 +125,7 @@ class Scheduler:
         return max(candidates, key=lambda s: s.admitted_at)
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
-        self.cache.free(seq)
-        seq.num_computed = 0
+        self.cache.reset(seq)
         self.num_preemptions += 1
         step.preempted.append(seq)
         if seq.status is SeqStatus.PAUSED:
@@ -142,7 +140,7 @@ class Scheduler:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its pages, wherever it is queued."""
-        self.cache.free(seq)
+        self.cache.reset(seq)
         if self.cache.prefix is not None:
             self.cache.prefix.forget(seq)
         for queue in (self.running, self.paused):
