@@ -59,12 +59,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_concurrency: Any = "auto"
-    """Requests in flight: "auto" (the dispatcher's auto-throttling) or a positive integer."""
+    """Requests in flight per rank (each rank's engine): "auto" (the dispatcher's auto-throttling) or a
+    positive integer."""
     budget_tokens: int | None = None
-    """Partial rollouts: generated tokens per iteration after which unfinished trajectories are
-    paused and carried over; None = no token budget."""
+    """Partial rollouts: generated tokens per iteration, over all ranks (each rank stops at its share,
+    ceil(budget_tokens / world)), after which unfinished trajectories are paused and carried over;
+    None = no token budget."""
     budget_seconds: float | None = None
-    """Partial rollouts: rollout seconds per iteration; None = no time budget."""
+    """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
+    time budget."""
     partial_resume: str = "recompute"
     """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
     weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so it

@@ -162,7 +162,8 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         elif key.startswith(TOKEN_WEIGHTED_PREFIXES):
             weights = [m.get("train_tokens", 0.0) for m in have]
             total = sum(weights)
-            out[key] = sum(w * v for w, v in zip(weights, values)) / total if total else float("nan")
+            # (w / total) * v: a single rank with tokens passes its value through unchanged
+            out[key] = sum(w / total * v for w, v in zip(weights, values)) if total else float("nan")
         else:
             raise KeyError(f"no rule merges metric {key!r} over ranks (rl/ranks.py: SUMMED, MAXED, "
                            f"TOKEN_WEIGHTED_PREFIXES)")

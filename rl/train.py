@@ -81,7 +81,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> Lo
                            max_new_tokens=r.max_new_tokens,
                            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
                            seed=cfg.seed, throttle=ThrottleConfig(max_concurrency=r.concurrency),
-                           budget_tokens=r.budget_tokens, budget_seconds=r.budget_seconds,
+                           budget_tokens=None if r.budget_tokens is None else -(-r.budget_tokens // ranks.world),
+                           budget_seconds=r.budget_seconds,
                            partial_resume=r.partial_resume, rank=ranks.rank, world=ranks.world)
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).

@@ -31,7 +31,10 @@ RUN = ["experiment.iterations=2", "tracking.wandb_mode=disabled", "tracking.prog
 # One group per iteration: iteration 0's group 0 is rank 0's, iteration 1's group 1 is rank 1's, so
 # each rank has no work in one iteration. A rank without work adds exact zeros to the gradient sum:
 # two ranks equal one bit for bit. Seed 3: both groups are rewarded (both updates move the weights).
-NO_WORK = [*RUN, "rollout.groups_per_iteration=1", "seed=3"]
+# With a KL term (the streamed reference skips an empty rank) and, on two ranks, the optimizer states
+# spilled to disk between iterations (each rank its own shard files).
+NO_WORK = [*RUN, "rollout.groups_per_iteration=1", "seed=3", "algo.loss.kl_coef=0.1"]
+SPILL = ["memory.spill_dir=nvme"]
 TIMES: dict[str, float] = {}
 
 
@@ -79,8 +82,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     ok(launch(dirs["two"], *RUN, nproc=2))
     ok(launch(dirs["one_no_work"], *NO_WORK, nproc=1))
     # the no-work run stops after iteration 0 and resumes on two ranks for iteration 1
-    ok(launch(dirs["two_no_work"], *NO_WORK, "experiment.iterations=1", nproc=2))
-    resumed = ok(launch(dirs["two_no_work"], *NO_WORK, "resume=true", nproc=2))
+    ok(launch(dirs["two_no_work"], *NO_WORK, *SPILL, "experiment.iterations=1", nproc=2))
+    resumed = ok(launch(dirs["two_no_work"], *NO_WORK, *SPILL, "resume=true", nproc=2))
     said = " ".join(resumed.stdout.split())  # rich wraps long lines
     assert "resuming" in said and "after iteration 0 on 2 ranks" in said, said[-2000:]
     yield dirs
@@ -132,12 +135,15 @@ def test_a_rank_without_work_joins_every_collective_and_resume_keeps_the_run(run
     2 ranks, equals the one-rank run bit for bit (weights, rewards, checksums)."""
     one, two = metrics(runs["one_no_work"]), metrics(runs["two_no_work"])
     assert [m["iteration"] for m in two] == [0, 1]
-    for key in ("reward_mean", "groups_trained", "train_tokens", "engine_checksum", "loss"):
+    for key in ("reward_mean", "groups_trained", "train_tokens", "engine_checksum", "loss", "loss/kl"):
         assert [m[key] for m in two] == [m[key] for m in one], key
     assert [m["groups_trained"] for m in two] == [1.0, 1.0] and all(m["reward_mean"] > 0 for m in two)
     assert two[1]["engine_checksum"] != two[0]["engine_checksum"], "iteration 0's update (rank 0's group) moved nothing"
+    assert two[1]["loss/kl"] > 0  # the policy left the reference after iteration 0
     a, b = final_weights(runs["one_no_work"]), final_weights(runs["two_no_work"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    spilled = sorted(f.name for f in (runs["two_no_work"] / "nvme").glob("*.spill"))
+    assert spilled == [f"train_states.rank{r}.chunk{c}.spill" for r in range(2) for c in range(2)]
 
 
 def test_resume_with_another_number_of_ranks_is_refused(runs):
