@@ -5,9 +5,12 @@ checkpoint in charge. Older ones are removed once the new one is in place.
 
 With several ranks (run_dir on a filesystem every rank sees): rank 0 prepares and publishes the
 directory and writes the weights; every rank writes its optimizer shard (`optimizer-rank{r}.pt`),
-its driver state (`driver-rank{r}.json`: its groups in flight) and its RNG (`rng-rank{r}.pt`);
-barriers between the steps. `iteration.json` records the world size; a checkpoint resumes only
-with the same number of ranks.
+its driver state (`driver-rank{r}.json`: its groups in flight) and its RNG (`rng-rank{r}.pt`: CPU,
+and its GPU's on CUDA); barriers between the steps. Everything is written from host copies and read
+back onto the host (the trainer copies the weights into the model wherever it lives), so a
+checkpoint does not depend on the device that wrote it (not tried across devices: no GPU has run
+the loop yet). `iteration.json` records the world size; a checkpoint resumes only with the same
+number of ranks.
 """
 from __future__ import annotations
 
@@ -36,7 +39,10 @@ def save_iteration(p: LoopParts, iteration: int) -> Path:
     ranks.barrier()  # the directory exists, empty, before anyone writes into it
     p.trainer.save(tmp)
     (tmp / f"driver-rank{ranks.rank}.json").write_text(json.dumps(p.driver.state_dict()))
-    torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank{ranks.rank}.pt")
+    rng = {"torch": torch.get_rng_state()}
+    if ranks.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(ranks.device)  # the rank's GPU generator (a CPU byte tensor)
+    torch.save(rng, tmp / f"rng-rank{ranks.rank}.pt")
     ranks.barrier()  # every rank's files are written
     if ranks.is_writer:
         (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration, "world_size": ranks.world}))
@@ -79,5 +85,8 @@ def load_latest(p: LoopParts) -> int | None:
     path = p.checkpoint_dir / (p.checkpoint_dir / "latest").read_text().strip()
     p.trainer.load(path)
     p.driver.load_state_dict(json.loads((path / f"driver-rank{p.ranks.rank}.json").read_text()))
-    torch.set_rng_state(torch.load(path / f"rng-rank{p.ranks.rank}.pt")["torch"])
+    rng = torch.load(path / f"rng-rank{p.ranks.rank}.pt", map_location="cpu")
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and p.ranks.device.type == "cuda":  # absent when a CPU run wrote it
+        torch.cuda.set_rng_state(rng["cuda"], p.ranks.device)
     return info["iteration"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
@@ -169,12 +170,30 @@ class ExperimentConfig:
     """Random init of the policy when no checkpoint is given."""
     checkpoint: str | None = None
     """A Hugging Face checkpoint directory to start from instead of a random init."""
+    device: str = "cpu"
+    """Where the models, batches and collectives of each rank live: "cpu" (gloo between ranks),
+    "cuda" (one GPU per rank, the GPU of LOCAL_RANK under torchrun; NCCL) or "auto" (cuda when
+    torch.cuda.is_available(), else cpu). The resolved device is the run's `Ranks.device`, printed at
+    start. Default cpu until a GPU has run the loop (rl/README.md)."""
 
     def __post_init__(self) -> None:
         if self.iterations < 1:
             raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
         if not self.init_std > 0:
             raise ValueError(f"experiment.init_std={self.init_std}, expected > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"experiment.device={self.device!r}, expected 'auto', 'cpu' or 'cuda'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"experiment.device='cuda' but CUDA is not available here (torch.cuda.is_available() "
+                             f"is False; torch {torch.__version__}, CUDA build {torch.version.cuda}); run where a GPU "
+                             f"is visible, or use experiment.device=cpu (or auto: cuda only when available)")
+
+    @property
+    def device_type(self) -> str:
+        """"cuda" or "cpu": `device` with "auto" resolved on this machine."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.model import HybridLM
@@ -89,6 +91,11 @@ class LoopParts:
     """Where the optimizer's host states are spilled between iterations (memory.spill_dir); None = no spill."""
     ranks: Ranks = field(default_factory=Ranks)
     """This process's place among the data-parallel ranks (one process: rank 0 of 1)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy lives, and with it the train phase's batches and losses."""
+        return next(self.policy.parameters()).device
 
 
 def run_loop(parts: LoopParts, start: int, iterations: int,
@@ -176,7 +183,7 @@ def _iteration_metrics(p: LoopParts, groups, rollout: dict[str, float], train: d
 def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, float]:
     """One policy update on this rank's groups (maybe none), the loss normalised by the global
     counts of policy tokens and sequences (`num_tokens`, `num_seqs`, summed over ranks)."""
-    batch = PackedBatch(groups, p.advantage)
+    batch = PackedBatch(groups, p.advantage, device=p.device)
     ref = (reference_logprobs(p.ref_model, batch, p.num_chunks)
            if p.ref_model is not None and batch.num_sequences else None)
     with p.tracker.train_progress(total_steps=1) as bar:

@@ -6,6 +6,8 @@ collective a plain local call — so the default path stays single-process (`bre
 Under `torchrun --nproc_per_node N` (WORLD_SIZE > 1 in the environment) `init_ranks` starts
 torch.distributed (NCCL when the run's device is CUDA, gloo on CPU) and megatron-core's
 parallel_state with TP = PP = 1, whose data-parallel group the trainer reduces over.
+`Ranks.device` is the run's resolved device (experiment.device): where this rank's models,
+batches and collective tensors live (NCCL takes only tensors on the rank's current GPU).
 
 Words: a rank *owns* the global group indices g with g % world == rank (its share of the prompts;
 groups are never split across ranks, so group advantages see whole groups). The *writer* is rank 0:
@@ -34,7 +36,8 @@ class Ranks:
     group: dist.ProcessGroup | None = None
     """The data-parallel group (megatron-core parallel_state); None in one process."""
     device: torch.device = torch.device("cpu")
-    """Where collective tensors live: the rank's GPU under NCCL, the CPU under gloo."""
+    """This rank's device: its models, batches and collective tensors (the GPU of LOCAL_RANK, set as
+    the current CUDA device, with NCCL between ranks; the CPU with gloo)."""
 
     @property
     def is_writer(self) -> bool:
@@ -80,19 +83,29 @@ def require_same(what: str, per_rank: list) -> object:
 
 def init_ranks(device_type: str = "cpu") -> Ranks:
     """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-    MASTER_ADDR/PORT); `Ranks()` when WORLD_SIZE is unset or 1. Starts torch.distributed (nccl for
-    device_type "cuda", else gloo) and megatron-core's parallel_state (TP = PP = 1: every rank is one
-    data-parallel replica). Undo with `shutdown`."""
+    MASTER_ADDR/PORT); one process (`Ranks(device=...)`, no process group) when WORLD_SIZE is unset or
+    1. device_type "cuda": this rank's device is GPU LOCAL_RANK, made the current CUDA device (a node
+    needs a GPU per rank: ValueError otherwise, before any process group starts); "cpu": the CPU.
+    With several ranks, starts torch.distributed (nccl for "cuda", else gloo) and megatron-core's
+    parallel_state (TP = PP = 1: every rank is one data-parallel replica). Undo with `shutdown`."""
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r}, expected 'cpu' or 'cuda'")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Ranks()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    device, backend = torch.device("cpu"), "gloo"
     if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if local_world > visible or local_rank >= visible:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(f"experiment.device=cuda: {local_world} rank(s) on this node need one GPU each, but "
+                             f"{visible} are visible (CUDA_VISIBLE_DEVICES={shown!r}); launch at most {visible} "
+                             f"per node (torchrun --nproc_per_node) or use experiment.device=cpu")
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    if world == 1:
+        return Ranks(device=device)
+    rank = int(os.environ["RANK"])
     dist.init_process_group(backend, rank=rank, world_size=world)
     from megatron.core import parallel_state
 

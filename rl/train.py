@@ -9,6 +9,12 @@ overwritten by accident.
 Under `torchrun --nproc_per_node N -m rl.train ...` every rank runs this same entry point: its own
 engine on its share of the prompt groups, one data-parallel trainer over all ranks (rl/ranks.py,
 rl/orchestrator.py); rank 0 alone writes metrics, plots, wandb and the console.
+
+Placement (`experiment.device`, resolved into `Ranks.device`): the policy, the engine's copy (its
+page pool follows it), a resident reference and the trainer's gradient slots live on the rank's
+device; the optimizer's FP32 masters and moments, a streamed reference's weights (pinned on CUDA)
+and the host KV pool live in host memory. Initial weights are drawn on the CPU and moved, so a
+CUDA run starts from the same weights as a CPU run.
 """
 from __future__ import annotations
 
@@ -60,9 +66,12 @@ def host_budget_bytes(cfg: RunConfig, ranks: Ranks) -> int:
 
 
 def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> LoopParts:
+    """The loop's parts for this rank, on `ranks.device` (see the module docstring)."""
+    device = ranks.device
     torch.manual_seed(cfg.seed)
-    policy = initial_policy(cfg)  # the same weights on every rank: the seed is the run's
-    engine_model = HybridLM(cfg.model)
+    policy = initial_policy(cfg).to(device)  # the same weights on every rank: the seed is the run's
+    with torch.device(device):  # built where it runs (its random init is overwritten at once)
+        engine_model = HybridLM(cfg.model)
     engine_model.load_state_dict(policy.state_dict())
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
     engine = Engine(engine_model, EngineConfig(
@@ -89,11 +98,13 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> Lo
     store = NvmeStore(run_dir / cfg.memory.spill_dir) if cfg.memory.spill_dir is not None else None
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
-    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None
+    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU
     if ref is not None and cfg.memory.reference == "stream":
-        # Host copies per VPP chunk, streamed through the trainer's idle gradient slots; the
-        # resident model built above is dropped here.
+        # Host copies per VPP chunk, streamed through the trainer's idle gradient slots (on their
+        # device); the CPU model built above is dropped here.
         ref = StreamedReference(ref, trainer.arena, t.num_chunks, ledger=ledger)
+    elif ref is not None:
+        ref = ref.to(device)
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
@@ -119,7 +130,7 @@ def _fault_from_env():
 def run(cfg: RunConfig) -> list[dict[str, float]]:
     """One run (or its continuation with cfg.resume); returns the metrics of the iterations run
     (global over ranks, on every rank). Under torchrun the process group lives for this call."""
-    ranks = init_ranks()  # the models live on the CPU for now: gloo (rl/ranks.py takes "cuda" -> NCCL)
+    ranks = init_ranks(cfg.experiment.device_type)  # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
     try:
         return _run(cfg, ranks)
     finally:
@@ -137,6 +148,8 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         check_world_size(info, ranks.world, run_dir / "checkpoints")
     last = info["iteration"] if info is not None else None
     parts = build(cfg, resume_from=last if cfg.resume else None, ranks=ranks)
+    parts.tracker.console.print(f"device {ranks.device} (experiment.device={cfg.experiment.device}), "
+                                f"{ranks.world} rank{'s' if ranks.world > 1 else ''}")
     start = 0
     if cfg.resume and last is not None:
         start = load_latest(parts) + 1

@@ -23,20 +23,29 @@ from trainer.step import Trainer
 
 
 class PackedBatch:
-    def __init__(self, groups: Sequence[Sequence[Trajectory]], advantage: str) -> None:
+    """The groups' trajectories as packed rows [N] (sequence i owns `seq_lens[i]` consecutive rows),
+    every tensor on `device` (the policy's: rl/orchestrator.py passes `LoopParts.device`)."""
+
+    def __init__(self, groups: Sequence[Sequence[Trajectory]], advantage: str,
+                 device: torch.device | str = "cpu") -> None:
         estimator = lookup("advantage", advantage)
         trajs = [t for g in groups for t in g]
-        advs = torch.cat([estimator(torch.tensor([t.reward for t in g], dtype=torch.float32), len(g))
-                          for g in groups]) if groups else torch.zeros(0)
+        advs = torch.cat([estimator(torch.tensor([t.reward for t in g], dtype=torch.float32, device=device), len(g))
+                          for g in groups]) if groups else torch.zeros(0, device=device)
         self.trajectories = trajs
         self.seq_lens = [len(t.tokens) - 1 for t in trajs]
-        self.token_ids = torch.tensor([x for t in trajs for x in t.tokens[:-1]], dtype=torch.long)
-        self.targets = torch.tensor([x for t in trajs for x in t.tokens[1:]], dtype=torch.long)
-        self.mask = torch.tensor([x for t in trajs for x in t.policy[1:]], dtype=torch.bool)
-        self.behaviour = torch.tensor([x for t in trajs for x in t.logprobs[1:]], dtype=torch.float32)
-        self.versions = torch.tensor([x for t in trajs for x in t.versions[1:]], dtype=torch.long)
-        self.seq_of_row = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(self.seq_lens, dtype=torch.long))
-        self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0)
+
+        def packed(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)  # [N]
+
+        self.token_ids = packed([x for t in trajs for x in t.tokens[:-1]], torch.long)
+        self.targets = packed([x for t in trajs for x in t.tokens[1:]], torch.long)
+        self.mask = packed([x for t in trajs for x in t.policy[1:]], torch.bool)
+        self.behaviour = packed([x for t in trajs for x in t.logprobs[1:]], torch.float32)
+        self.versions = packed([x for t in trajs for x in t.versions[1:]], torch.long)
+        self.seq_of_row = torch.repeat_interleave(torch.arange(len(trajs), device=device),
+                                                  torch.tensor(self.seq_lens, dtype=torch.long, device=device))
+        self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0, device=device)
 
     @property
     def num_sequences(self) -> int:
@@ -80,11 +89,11 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
         uniq, local = torch.unique_consecutive(seqs, return_inverse=True)
         lens = torch.bincount(local)
         starts = torch.cumsum(lens, 0) - lens
-        cols = torch.arange(len(rows)) - starts[local]
+        cols = torch.arange(len(rows), device=rows.device) - starts[local]
         shape = (len(uniq), int(lens.max()))
 
         def pad(x: torch.Tensor, fill=0.0) -> torch.Tensor:
-            out = torch.full(shape, fill, dtype=x.dtype)
+            out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
             out[local, cols] = x
             return out
 

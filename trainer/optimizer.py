@@ -199,7 +199,7 @@ class ShardedHostAdamW:
 
     def _free(self) -> None:
         for c, layout in enumerate(self._layout):
-            self._install(c, {k: torch.empty(0, dtype=dtype) for k, (_, dtype) in layout.items()})
+            self._install(c, {k: torch.empty(0, dtype=dtype, device="cpu") for k, (_, dtype) in layout.items()})
 
     def restore(self) -> int:
         """Read the spilled states back (into new tensors, installed where the old ones were), drop
@@ -218,7 +218,7 @@ class ShardedHostAdamW:
         if not self.is_spilled:
             return
         for c, layout in enumerate(self._layout):
-            self._install(c, {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()})
+            self._install(c, {k: torch.empty(shape, dtype=dtype, device="cpu") for k, (shape, dtype) in layout.items()})
             self.store.drop(self.group_name(c))
         self.store, self.spilled_bytes, self.disk_bytes = None, 0, 0
 

@@ -141,7 +141,8 @@ class StreamedReference:
         self.host: list[torch.Tensor] | None = []  # None after close()
         with torch.no_grad():
             for entries in self.layout:
-                flat = torch.empty(entries[-1].offset + entries[-1].numel, dtype=self.dtype, pin_memory=pinned)
+                flat = torch.empty(entries[-1].offset + entries[-1].numel, dtype=self.dtype, device="cpu",
+                                   pin_memory=pinned)
                 for e in entries:
                     flat[e.offset:e.offset + e.numel].copy_(source[e.name].reshape(-1))
                 self.host.append(flat)  # [chunk numel] in self.dtype

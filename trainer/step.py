@@ -169,11 +169,12 @@ class Trainer:
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """Forward/backward this rank's packed sequences and apply one optimizer step.
 
-        token_ids, targets: [N] packed; sequence i owns `seq_lens[i]` consecutive rows. With DP ranks a
-        rank may pass no sequence at all (N = 0): it still joins every collective (zero gradients)
-        and the same optimizer step.
+        token_ids, targets: [N] packed, on the model's device; sequence i owns `seq_lens[i]`
+        consecutive rows. With DP ranks a rank may pass no sequence at all (N = 0): it still joins
+        every collective (zero gradients) and the same optimizer step.
         loss_fn(logprobs [n], rows [n]) gets a micro-batch's per-token logprobs and their row
-        indices in the packed batch (to select advantages, masks, old logprobs...); it must be
+        indices in the packed batch (both on the model's device; to select advantages, masks, old
+        logprobs...); it must be
         scaled so that summing it over micro-batches and ranks gives the global loss (e.g. divide
         by the global token count): gradients are summed, not averaged.
         micro_batch_tokens: token budget of one micro-batch (sequences packed greedily in order; a
@@ -190,26 +191,29 @@ class Trainer:
         if token_ids.shape != targets.shape or sum(seq_lens) != token_ids.numel():
             raise ValueError(f"token_ids {tuple(token_ids.shape)}, targets {tuple(targets.shape)} and seq_lens "
                              f"(sum {sum(seq_lens)}) must describe the same packed tokens")
+        comm = self.arena.device  # the model's; collectives run here too (NCCL needs CUDA tensors)
+        if token_ids.device != comm or targets.device != comm:
+            raise ValueError(f"token_ids on {token_ids.device}, targets on {targets.device}: the model and its "
+                             f"gradients are on {comm}; build the batch there")
         self.model.train()
         plan = micro_batches(seq_lens, micro_batch_tokens) if not empty else []
         # Every rank runs the same number of micro-batches (each one is a round of collectives);
         # a rank with fewer sequences (or none: DP ranks without work this step) contributes zero
         # gradients in its extra rounds.
-        comm = self.arena.device  # collectives on the gradients' device (NCCL needs CUDA tensors)
         rounds = torch.tensor([len(plan)], device=comm)
         if self.optimizer.world > 1:
             dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
         offsets = [0]
         for n in seq_lens:
             offsets.append(offsets[-1] + n)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=comm)
         for r in range(int(rounds.item())):
             if r >= len(plan):
                 for c in reversed(range(self.config.num_chunks)):
                     self._bind(c)
                     self._reduce_and_release(c)
                 continue
-            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plan[r]])
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=comm) for i in plan[r]])  # [n]
             part, _ = self.chunked.forward_backward(token_ids[rows], [seq_lens[i] for i in plan[r]], targets[rows],
                                                     lambda lp, rows=rows: loss_fn(lp, rows),
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
@@ -270,6 +274,7 @@ class Trainer:
                              f"num_chunks={meta['num_chunks']}; this trainer has world_size={self.optimizer.world}, "
                              f"num_chunks={self.config.num_chunks}")
         load_weights_into(self.model, path, assign=False)  # keep the Parameter objects the optimizer holds
-        self.optimizer.load_state_dict(torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt"))
+        # host states: saved from the host, loaded onto it whatever device the model is on
+        self.optimizer.load_state_dict(torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt", map_location="cpu"))
         self.step_count = meta["step"]
         self._sync_ledger()

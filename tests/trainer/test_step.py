@@ -141,6 +141,21 @@ def test_non_finite_loss_skips_the_step_then_stops():
         trainer.train_step(tokens[:0], [], targets[:0], lambda lp, rows: lp.sum())
 
 
+def test_a_batch_on_another_device_than_the_model_is_refused_before_any_work():
+    """The batch must live where the model does (a CUDA model fed host tensors would otherwise
+    fail deep in the forward); the meta device stands in for a GPU here."""
+    lens, tokens, targets, _ = make_batch()
+    model = make_model()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT))
+    with pytest.raises(ValueError, match=r"token_ids on meta, targets on cpu: the model and its gradients are on cpu"):
+        trainer.train_step(tokens.to("meta"), lens, targets, lambda lp, rows: lp.sum())
+    assert trainer.step_count == 0 and trainer.arena.num_held == 0
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    trainer.train_step(tokens, lens, targets, lambda lp, rows: (lp * rows.float()).sum() * 1e-4)  # rows live with lp
+    assert trainer.step_count == 1
+
+
 @pytest.mark.slow
 def test_deepspeed_cpu_adam_backend_matches_plain_adamw():
     """DeepSpeed's JIT-built CPU Adam on the host shards (first build ~1 min, then cached)."""
