@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, megatron.core, deepspeed, triton, hydra, wandb, transformers; print('installed torch', torch.__version__)"
 	touch $(STAMP)
 
-# libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. Installed only when root
+# libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. g++: JIT-built C++ ops (kernels/cpu/). Installed only when root
 # and missing; otherwise say what to do instead of failing later with an obscure JIT error.
 apt:
 	@if dpkg -s libaio-dev >/dev/null 2>&1; then :; \
@@ -41,6 +41,11 @@ apt:
 		echo "installing libaio-dev (DeepSpeed async_io)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; \
 	else echo "warning: libaio-dev is missing and we are not root: run 'sudo apt-get install libaio-dev' for NVMe offload"; fi
+	@if command -v g++ >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing g++ (fused CPU kernels, DeepSpeed ops)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; \
+	else echo "warning: g++ is missing and we are not root: the fused CPU kernels fall back to impl=naive"; fi
 
 clean:
 	rm -rf $(VENV) .cache outputs runs

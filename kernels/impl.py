@@ -1,4 +1,5 @@
-"""The `impl=` switch every kernel dispatcher takes: "naive" (plain torch) or "triton".
+"""The `impl=` switch every kernel dispatcher takes: "naive" (plain torch), "triton", or "cpu"
+(the torch path plus the fused C++ CPU kernels of kernels/cpu/ where one exists: KDA decode).
 
 A dispatcher calls `check_impl(impl)` first and, on the Triton path, `require_triton(kernel,
 device)` before launching, so a Triton request that cannot run fails loudly instead of
@@ -12,7 +13,7 @@ kernel module is imported (tests/kernels/conftest.py sets it).
 import torch
 import triton
 
-IMPLS = ("naive", "triton")
+IMPLS = ("naive", "triton", "cpu")
 
 
 def check_impl(impl: str) -> str:
@@ -23,8 +24,24 @@ def check_impl(impl: str) -> str:
 
 
 def default_impl() -> str:
-    """"triton" where CUDA is available, else "naive" (the interpreter is for tests only)."""
-    return "triton" if torch.cuda.is_available() else "naive"
+    """"triton" where CUDA is available; else "cpu" when the fused CPU kernels build here, else
+    "naive" (the Triton interpreter is for tests only)."""
+    if torch.cuda.is_available():
+        return "triton"
+    from kernels.cpu import available
+
+    return "cpu" if available() else "naive"
+
+
+def require_cpu_ops(device: torch.device):
+    """The fused CPU kernels' module for impl="cpu"; RuntimeError if they cannot run here."""
+    from kernels.cpu import ops
+
+    module = ops()
+    if module is None or device.type != "cpu":
+        raise RuntimeError(f"impl='cpu' needs CPU tensors and the fused CPU kernels (kernels/cpu/); got {device}, "
+                           f"kernels {'built' if module is not None else 'not buildable here'}. Use impl='naive'.")
+    return module
 
 
 def _interpreting() -> bool:

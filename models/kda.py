@@ -127,12 +127,15 @@ class KDALayer(nn.Module):
         bsz, h, dk = mixed.shape[0], self.num_heads, self.head_dim
         new = mixed.view(bsz, 3, h, 1, dk).transpose(1, 2)  # [B, H, 3, 1, dk]
         ext = torch.cat([tails.to(mixed.dtype), new], dim=3)  # [B, H, 3, K, dk]
-        taps = fused_weight(self, "head_major_taps", [self.q_conv1d.weight, self.k_conv1d.weight,
-                                                      self.v_conv1d.weight],
-                            lambda: self.conv_weight.view(3, h, dk, self.kernel).permute(1, 0, 3, 2).contiguous())
-        qkv = F.silu((ext * taps).sum(dim=3)).float()  # [B, H, 3, dk]
+        qkv = F.silu((ext * self.head_major_taps()).sum(dim=3)).float()  # [B, H, 3, dk]
         q, k = l2norm(qkv[:, :, :2]).unbind(2)
         return q, k, qkv[:, :, 2], ext[:, :, :, 1:]
+
+    def head_major_taps(self) -> torch.Tensor:
+        """Conv taps in the pool's tail layout, [H, 3 (q, k, v), kernel, dk] (cached per weight version)."""
+        h, dk = self.num_heads, self.head_dim
+        return fused_weight(self, "head_major_taps", [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
+                            lambda: self.conv_weight.view(3, h, dk, self.kernel).permute(1, 0, 3, 2).contiguous())
 
     def output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Gated per-head norm + o_proj. core: [N, H, dv] mixer output, gate: [N, H, dv] from

@@ -25,6 +25,7 @@ import torch
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
 from kernels.kda.recurrent import recurrent_kda
+from kernels.impl import require_cpu_ops
 from kernels.mla.paged import paged_mla_decode
 from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights
 from models.kda import KDALayer
@@ -196,9 +197,14 @@ class PagedMixer:
             pages_d, mixed_d, g_d, beta_d = pages[self.decode_index], mixed[rows], g[rows], beta[rows]
             core = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=x.device)
         if self.decode:
-            q, k, v, tails = layer.decode_conv(mixed_d, conv.index_select(0, pages_d))
+            if self.step.impl == "cpu" and mixed_d.dtype == conv.dtype == torch.float32:
+                # Fused: the conv tails are read and shifted in their pages (twin: decode_conv).
+                qkv = require_cpu_ops(mixed_d.device).kda_conv_step(mixed_d, conv, layer.head_major_taps(), pages_d)
+                q, k, v = qkv.unbind(2)
+            else:
+                q, k, v, tails = layer.decode_conv(mixed_d, conv.index_select(0, pages_d))
+                conv.index_copy_(0, pages_d, tails.to(conv.dtype))
             out = kda_decode_step(q, k, v, g_d, beta_d, state, pages_d, impl=self.step.impl, check=self.step.check)
-            conv.index_copy_(0, pages_d, tails.to(conv.dtype))
             if core is None:
                 return layer.output(out, gate)
             core[self.decode_rows] = out
@@ -225,7 +231,7 @@ class PagedMixer:
         tails = _tails_to_layer(conv.index_select(0, seq_pages).masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
         q, k, v, ext = layer.short_conv(padded_mixed, tails)
         form, chunk_len = torch_prefill_form(num, width)
-        if self.step.impl == "naive" and form == "recurrent":
+        if self.step.impl != "triton" and form == "recurrent":
             o, final = recurrent_kda(q, k, v, padded_g, padded_beta, initial_state=init)
         else:
             o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,

@@ -236,7 +236,7 @@ def chunk_kda(
     impl="triton" cannot run here.
     """
     check_impl(impl)
-    if impl == "naive":
+    if impl != "triton":  # "naive", or "cpu" (no fused CPU version of this one)
         return naive_chunk_kda(
             q,
             k,

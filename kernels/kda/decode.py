@@ -15,6 +15,8 @@ and S is written back to its page in place.
 `naive_recurrent_kda` at T = 1; tested against it) and index_copy_s them back. `impl="triton"` runs one program per (sequence, head, block of value columns): each
 value column of S evolves independently (the decay and k^T S act per column), so splitting V
 is exact; a program loads S[:, v-block] into registers, updates it and stores it in place.
+`impl="cpu"` runs the fused C++ op of kernels/cpu/ (fp32): one pass per (sequence, head) over S
+in its page, no gather or scatter.
 """
 
 import torch
@@ -22,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.impl import check_impl, require_triton
+from kernels.impl import check_impl, require_cpu_ops, require_triton
 
 
 def _check_inputs(q, k, v, g, beta, state, state_pages) -> tuple[int, ...]:
@@ -192,7 +194,7 @@ def kda_decode_step(
             nothing else in the underlying storage is written.
         state_pages: [B] int32/int64 distinct page ids in [0, num_pages).
         scale: query scale, default K ** -0.5.
-        impl: "naive" or "triton" (see module docstring).
+        impl: "naive", "triton" or "cpu" (see module docstring).
         check: validate shapes and pages (one host sync). The engine's hot path passes False:
             its page bookkeeping is verified by CacheManager.check_integrity instead.
 
@@ -207,4 +209,9 @@ def kda_decode_step(
     scale = K**-0.5 if scale is None else scale
     if impl == "naive":
         return _kda_decode_naive(q, k, v, g, beta, state, state_pages, scale)
+    if impl == "cpu":
+        if q.dtype != torch.float32 or state.dtype != torch.float32:
+            return _kda_decode_naive(q, k, v, g, beta, state, state_pages, scale)  # the fused op is fp32-only
+        return require_cpu_ops(q.device).kda_decode_step(q, k, v, g.float(), beta.float(), state,
+                                                         state_pages.long(), float(scale))
     return _kda_decode_triton(q, k, v, g, beta, state, state_pages, scale)

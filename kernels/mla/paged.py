@@ -289,6 +289,6 @@ def paged_mla_decode(
     check_impl(impl)
     if check:
         _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens)
-    if impl == "naive":
+    if impl != "triton":  # "naive", or "cpu" (no fused CPU version of this one)
         return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)
     return _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)

@@ -134,7 +134,7 @@ def paged_mla_weights(q_lat: Tensor, q_rope: Tensor, cache: Tensor, block_tables
         raise ValueError(f"lse shape {tuple(lse.shape)} must be [B, H] = {list(q_lat.shape[:2])}")
     if width is None:
         width = int(seq_lens.max()) if seq_lens.numel() else 0
-    if impl == "naive":
+    if impl != "triton":  # "naive", or "cpu" (no fused CPU version of this one)
         return _paged_mla_weights_naive(q_lat, q_rope, cache, block_tables, seq_lens, lse, scale, width)
     return _paged_mla_weights_triton(q_lat, q_rope, cache, block_tables, seq_lens, lse, scale, width)
 

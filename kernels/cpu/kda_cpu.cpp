@@ -1,0 +1,128 @@
+// Fused CPU kernels for KDA decode over page-pool states (kernels/cpu/__init__.py loads them).
+// Each replaces a chain of ~15 small torch ops (gather, decay, three batched matmuls, scatter;
+// conv gather, cat, product, sum, SiLU, L2 norm, scatter) with one pass per (sequence, head).
+// The torch twins are kernels/kda/decode.py (naive) and models/kda.py KDALayer.decode_conv.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// One gated-delta-rule step per sequence, in place in the state pages:
+//   S <- Diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = S^T (scale q)
+// q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H] (contiguous float32);
+// state: [P, H, K, V] float32, any strides; pages: [B] int64, distinct. Returns o [B, H, V].
+torch::Tensor kda_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                              torch::Tensor beta, torch::Tensor state, torch::Tensor pages, double scale) {
+  for (auto& [t, n] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) {
+    check_f32(*t, n);
+    *t = t->contiguous();
+  }
+  check_f32(state, "state");
+  TORCH_CHECK(pages.scalar_type() == torch::kInt64, "pages must be int64");
+  pages = pages.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
+  auto o = torch::empty({B, H, V}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t s0 = state.stride(0), s1 = state.stride(1), s2 = state.stride(2), s3 = state.stride(3);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> pred(V), delta(V), row(V);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      float* S = sp + pg[bh / H] * s0 + (bh % H) * s1;
+      const float *qr = qp + bh * K, *kr = kp + bh * K, *gr = gp + bh * K, *vr = vp + bh * V;
+      float* out = op + bh * V;
+      std::fill(pred.begin(), pred.end(), 0.f);
+      for (int64_t i = 0; i < K; ++i) {  // decay, and what the decayed state recalls for k
+        const float decay = std::exp(gr[i]), ki = kr[i];
+        float* Si = S + i * s2;
+        if (s3 == 1) {
+          for (int64_t j = 0; j < V; ++j) { Si[j] *= decay; pred[j] += ki * Si[j]; }
+        } else {
+          for (int64_t j = 0; j < V; ++j) { Si[j * s3] *= decay; pred[j] += ki * Si[j * s3]; }
+        }
+      }
+      const float b = bp[bh];
+      for (int64_t j = 0; j < V; ++j) { delta[j] = b * (vr[j] - pred[j]); out[j] = 0.f; }
+      for (int64_t i = 0; i < K; ++i) {  // write, and read out with the query
+        const float ki = kr[i], qi = fscale * qr[i];
+        float* Si = S + i * s2;
+        if (s3 == 1) {
+          for (int64_t j = 0; j < V; ++j) { Si[j] += ki * delta[j]; out[j] += qi * Si[j]; }
+        } else {
+          for (int64_t j = 0; j < V; ++j) { Si[j * s3] += ki * delta[j]; out[j] += qi * Si[j * s3]; }
+        }
+      }
+    }
+  });
+  return o;
+}
+
+// KDA's short convolution for one new token per sequence, conv tails in pool pages, in place:
+// for each (b, h, which in q/k/v): x = SiLU(sum_{j<K-1} tail[j] * taps[j] + new * taps[K-1]);
+// q and k L2-normalised over the head dim (eps 1e-6 inside the sqrt); tails shift by one token.
+// mixed: [B, 3*H*D] (channel = which*H*D + h*D + d); tails: [P, H, 3, K-1, D] float32, any
+// strides; taps: [H, 3, K, D] contiguous; pages: [B] int64. Returns qkv [B, H, 3, D].
+torch::Tensor kda_conv_step(torch::Tensor mixed, torch::Tensor tails, torch::Tensor taps, torch::Tensor pages) {
+  check_f32(mixed, "mixed");
+  check_f32(tails, "tails");
+  check_f32(taps, "taps");
+  mixed = mixed.contiguous();
+  taps = taps.contiguous();
+  TORCH_CHECK(pages.scalar_type() == torch::kInt64, "pages must be int64");
+  pages = pages.contiguous();
+  const int64_t B = mixed.size(0), H = taps.size(0), KK = taps.size(2), D = taps.size(3);
+  TORCH_CHECK(tails.size(3) == KK - 1 && tails.size(4) == D && tails.size(1) == H, "tails shape mismatch");
+  TORCH_CHECK(mixed.size(1) == 3 * H * D, "mixed must be [B, 3*H*D]");
+  auto out = torch::empty({B, H, 3, D}, mixed.options());
+  const float *mp = mixed.data_ptr<float>(), *wp = taps.data_ptr<float>();
+  float *tp = tails.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t t0 = tails.stride(0), t1 = tails.stride(1), t2 = tails.stride(2), t3 = tails.stride(3),
+                t4 = tails.stride(4);
+  at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      for (int64_t w = 0; w < 3; ++w) {
+        const float* x = mp + b * 3 * H * D + w * H * D + h * D;
+        const float* tap = wp + ((h * 3 + w) * KK) * D;
+        float* tail = tp + pg[b] * t0 + h * t1 + w * t2;
+        float* y = op + ((b * H + h) * 3 + w) * D;
+        float sq = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < KK - 1; ++j) acc += tail[j * t3 + d * t4] * tap[j * D + d];
+          acc += x[d] * tap[(KK - 1) * D + d];
+          const float s = acc / (1.f + std::exp(-acc));
+          y[d] = s;
+          sq += s * s;
+          for (int64_t j = 0; j + 1 < KK - 1; ++j) tail[j * t3 + d * t4] = tail[(j + 1) * t3 + d * t4];
+          if (KK > 1) tail[(KK - 2) * t3 + d * t4] = x[d];
+        }
+        if (w < 2) {
+          const float norm = std::sqrt(sq + 1e-6f);
+          for (int64_t d = 0; d < D; ++d) y[d] /= norm;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kda_decode_step", &kda_decode_step, "KDA decode step in pool pages (in place)");
+  m.def("kda_conv_step", &kda_conv_step, "KDA short conv for one token, tails in pool pages (in place)");
+}
