@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from kernels.cpu import ops as cpu_ops
 from models.fused import fused_weight, use_fused
 
 
@@ -108,17 +109,31 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
-        weights, ids = self.gate(x)
         experts, shared = self.experts, self.shared_experts
-        if (use_fused(x) and shared is not None and experts.runs_dense(ids.shape[1])
+        if (use_fused(x) and shared is not None and experts.runs_dense(self.gate.top_k)
                 and shared.gate_proj.weight.shape[0] % experts.w1.shape[1] == 0):
-            return self._fused_dense(x, weights, ids)
+            return self._fused_dense(x)
+        weights, ids = self.gate(x)
         out = experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def _fused_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routing_dense(self, x: torch.Tensor, num_shared: int) -> torch.Tensor:
+        """[N, E + num_shared] routing weights: the router's, zero for unchosen experts, 1 for the
+        shared ones. On CPU fp32 with the fused kernels built, one C++ op after the scores
+        (kernels/cpu/, same comparisons and float ops as `Router.forward`); else the router + scatter."""
+        gate = self.gate
+        if x.dtype == torch.float32 and gate.weight.dtype == torch.float32 and cpu_ops() is not None:
+            scores = F.linear(x, gate.weight).sigmoid_()  # [N, E]
+            return cpu_ops().moe_route_dense(scores, gate.e_score_correction_bias.float(), gate.top_k, gate.num_groups,
+                                             gate.topk_group, gate.renormalize, float(gate.scaling), num_shared)
+        weights, ids = gate(x)
+        dense = torch.zeros(x.shape[0], gate.num_experts + num_shared, dtype=weights.dtype, device=x.device)
+        dense[:, gate.num_experts:] = 1.0  # the shared experts
+        return dense.scatter_(1, ids, weights)
+
+    def _fused_dense(self, x: torch.Tensor) -> torch.Tensor:
         """Inference form of the dense all-experts path plus the shared experts, with the shared
         intermediate (num_shared * I channels) run as `num_shared` extra experts of routing weight 1
         (SwiGLU is per channel and the down projection sums channels, so the split is exact):
@@ -134,8 +149,6 @@ class MoE(nn.Module):
         w_out = fused_weight(self, "out", sources, lambda: torch.cat(
             [experts.w2.permute(1, 0, 2).reshape(dim, -1), shared.down_proj.weight], dim=1))  # [D, (E + S) * I]
         gate, up = F.linear(x, w_in).chunk(2, dim=-1)  # [N, (E + S) * I] each
-        dense = torch.zeros(num_tokens, total, dtype=weights.dtype, device=x.device)
-        dense[:, num_experts:] = 1.0  # the shared experts
-        dense.scatter_(1, ids, weights)  # [N, E + S] routing weights, zero for unchosen experts
+        dense = self._routing_dense(x, num_shared)  # [N, E + S] routing weights, zero for unchosen experts
         hidden = (F.silu(gate) * up).view(num_tokens, total, inter) * dense[:, :, None].to(x.dtype)
         return F.linear(hidden.view(num_tokens, -1), w_out)

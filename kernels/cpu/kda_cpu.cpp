@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -122,7 +123,78 @@ torch::Tensor kda_conv_step(torch::Tensor mixed, torch::Tensor tails, torch::Ten
   return out;
 }
 
+// MoE routing (sigmoid scores already computed) straight to the dense per-expert weights the
+// all-experts inference path multiplies by: choice = scores + bias; with groups, each group's score
+// is the sum of its top-2 choices and only the best topk_group groups stay; the top_k choices
+// among them are the experts; weight = score (renormalised over the chosen, optional) x scaling.
+// Ties go to the lower index. scores: [N, E] float32; bias: [E]. Returns [N, E + num_shared]
+// (the shared experts' columns are 1). Twin: models/mlp.py Router.forward + scatter.
+torch::Tensor moe_route_dense(torch::Tensor scores, torch::Tensor bias, int64_t top_k, int64_t num_groups,
+                              int64_t topk_group, bool renormalize, double scaling, int64_t num_shared) {
+  check_f32(scores, "scores");
+  check_f32(bias, "bias");
+  scores = scores.contiguous();
+  bias = bias.contiguous();
+  const int64_t N = scores.size(0), E = scores.size(1);
+  TORCH_CHECK(bias.numel() == E && num_groups >= 1 && E % num_groups == 0 && top_k >= 1 && top_k <= E,
+              "moe_route_dense: bad sizes");
+  auto dense = torch::zeros({N, E + num_shared}, scores.options());
+  const float *sp = scores.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  float* dp = dense.data_ptr<float>();
+  const int64_t per_group = E / num_groups;
+  const float fscale = static_cast<float>(scaling);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> choice(E), group_score(num_groups);
+    std::vector<int64_t> ids(top_k);
+    std::vector<char> taken(std::max(E, num_groups));
+    for (int64_t n = begin; n < end; ++n) {
+      const float* s = sp + n * E;
+      for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + bp[e];
+      if (topk_group < num_groups) {
+        for (int64_t gi = 0; gi < num_groups; ++gi) {  // top-2 sum (top-1 when groups have one expert)
+          const float* c = choice.data() + gi * per_group;
+          float a = neg_inf, b = neg_inf;
+          for (int64_t j = 0; j < per_group; ++j) {
+            if (c[j] > a) { b = a; a = c[j]; } else if (c[j] > b) { b = c[j]; }
+          }
+          group_score[gi] = per_group >= 2 ? a + b : a;
+        }
+        std::fill(taken.begin(), taken.end(), 0);
+        for (int64_t t = 0; t < topk_group; ++t) {
+          int64_t best = -1;
+          for (int64_t gi = 0; gi < num_groups; ++gi)
+            if (!taken[gi] && (best < 0 || group_score[gi] > group_score[best])) best = gi;
+          taken[best] = 1;
+        }
+        for (int64_t gi = 0; gi < num_groups; ++gi)
+          if (!taken[gi]) std::fill(choice.begin() + gi * per_group, choice.begin() + (gi + 1) * per_group, neg_inf);
+      }
+      std::fill(taken.begin(), taken.end(), 0);
+      for (int64_t t = 0; t < top_k; ++t) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+        taken[best] = 1;
+        ids[t] = best;
+      }
+      float* row = dp + n * (E + num_shared);
+      if (renormalize) {
+        float total = 0.f;
+        for (int64_t t = 0; t < top_k; ++t) total += s[ids[t]];
+        const float denom = total + 1e-20f;
+        for (int64_t t = 0; t < top_k; ++t) row[ids[t]] = (s[ids[t]] / denom) * fscale;
+      } else {
+        for (int64_t t = 0; t < top_k; ++t) row[ids[t]] = s[ids[t]] * fscale;
+      }
+      for (int64_t j = 0; j < num_shared; ++j) row[E + j] = 1.f;
+    }
+  });
+  return dense;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_route_dense", &moe_route_dense, "MoE routing to dense per-expert weights");
   m.def("kda_decode_step", &kda_decode_step, "KDA decode step in pool pages (in place)");
   m.def("kda_conv_step", &kda_conv_step, "KDA short conv for one token, tails in pool pages (in place)");
 }

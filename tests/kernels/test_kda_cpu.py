@@ -58,3 +58,31 @@ def test_fused_ops_reject_wrong_dtypes():
     q, k, v, g, beta = make_step(B, H, K, V)
     with pytest.raises(RuntimeError, match="q must be float32"):
         ops().kda_decode_step(q.double(), k, v, g, beta, state, torch.tensor([0, 1]), 0.5)
+
+
+@pytest.mark.parametrize("groups, topk_group, top_k, renormalize", [(2, 1, 2, True), (1, 1, 2, True),
+                                                                    (4, 2, 3, False), (8, 3, 4, True)])
+def test_fused_routing_equals_the_router(groups, topk_group, top_k, renormalize):
+    import dataclasses
+
+    from models.mlp import Router
+
+    config = dataclasses.replace(load_model_config("configs/model/tiny.yaml"), num_experts=16, num_expert_group=groups,
+                                 topk_group=topk_group, num_experts_per_token=top_k, moe_renormalize=renormalize)
+    router = Router(config)
+    gen = torch.Generator().manual_seed(groups * 10 + top_k)
+    router.weight.data = torch.randn(16, config.hidden_size, generator=gen) * 0.3
+    router.e_score_correction_bias.data = torch.randn(16, generator=gen) * 0.05
+    x = torch.randn(200, config.hidden_size, generator=gen)
+    with torch.no_grad():
+        weights, ids = router(x)
+        expected = torch.zeros(200, 16 + 2).scatter_(1, ids, weights)
+        expected[:, 16:] = 1.0
+        scores = torch.nn.functional.linear(x, router.weight).sigmoid()
+        got = ops().moe_route_dense(scores, router.e_score_correction_bias, top_k, groups, topk_group, renormalize,
+                                    float(router.scaling), 2)
+    assert torch.equal((got[:, :16] != 0), (expected[:, :16] != 0))  # the same experts
+    if top_k <= 2:
+        assert torch.equal(got, expected)  # two weights: the same float ops in any order
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
