@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -78,10 +78,13 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "HybridLM":
         """Random init as fla/transformers do for Kimi Linear (deterministic given `seed`)."""
+        # Drawn on the host from a CPU generator whatever the parameters' device, then copied over:
+        # the same seed gives the same weights on every device.
         gen = torch.Generator().manual_seed(seed)
+        host = gen.device
 
         def normal_(t: torch.Tensor) -> None:
-            t.copy_(torch.randn(t.shape, generator=gen) * std)
+            t.copy_(torch.randn(t.shape, generator=gen, device=host) * std)
 
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, Router)):
@@ -95,8 +98,9 @@ class HybridLM(nn.Module):
                     normal_(weight)
             if isinstance(module, KDALayer):
                 # A in [1, 16] (log-stored); dt in [1e-3, 1e-1] stored as its inverse softplus.
-                module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1, 16, generator=gen).log())
-                dt = torch.exp(torch.empty(module.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+                module.A_log.copy_(torch.empty(module.A_log.shape, device=host).uniform_(1, 16, generator=gen).log())
+                dt = torch.exp(torch.empty(module.dt_bias.shape, device=host).uniform_(
+                    math.log(1e-3), math.log(1e-1), generator=gen))
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         return self
 
@@ -251,22 +255,35 @@ class StateMixer:
 
 @dataclass
 class _Bucket:
-    """Sequences padded together: packed rows src go to rows dst of a [num * width] layout."""
+    """Sequences padded together: packed rows `src_rows` go to rows `dst_rows` of a [num * width]
+    layout. Its index tensors are built on the device of the tensors they index, once per device."""
 
     num: int
     width: int
-    src: torch.Tensor
-    dst: torch.Tensor
-    lens: torch.Tensor
+    src_rows: list[int]
+    dst_rows: list[int]
+    seq_lens: list[int]
+    _index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False)
+
+    def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src [n], dst [n], lens [num]) int64 on `device`."""
+        if device not in self._index:
+            self._index[device] = (torch.tensor(self.src_rows, dtype=torch.long, device=device),
+                                   torch.tensor(self.dst_rows, dtype=torch.long, device=device),
+                                   torch.tensor(self.seq_lens, dtype=torch.long, device=device))
+        return self._index[device]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Packed [N, *rest] -> [num, width, *rest] (zeros past each length)."""
-        out = x.new_zeros(self.num * self.width, *x.shape[1:]).index_copy(0, self.dst, x.index_select(0, self.src))
+        src, dst, _ = self.index(x.device)
+        out = x.new_zeros(self.num * self.width, *x.shape[1:]).index_copy(0, dst, x.index_select(0, src))
         return out.view(self.num, self.width, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[num, width, *rest] -> the bucket's packed rows [n, *rest] (in src order)."""
-        return x.reshape(self.num * self.width, *x.shape[2:]).index_select(0, self.dst)
+        _, dst, _ = self.index(x.device)
+        return x.reshape(self.num * self.width, *x.shape[2:]).index_select(0, dst)
 
 
 class PackedMixer:
@@ -277,7 +294,8 @@ class PackedMixer:
     real tokens, so causality keeps them from touching real outputs, and they are dropped.
     Buckets (longest first) keep padding under 2x a bucket's real tokens and its attention scores
     [B, L, L] under `max_score_elements` per head, so one long sequence never pads a crowd of short
-    ones to its length."""
+    ones to its length. Built from lengths alone: its index tensors follow the hidden states'
+    device (made on first use there)."""
 
     def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22) -> None:
         if any(batch.starts):
@@ -297,18 +315,28 @@ class PackedMixer:
         self.buckets = []
         for seqs in groups:
             width = lens[seqs[0]]
-            src = torch.tensor([offsets[i] + t for i in seqs for t in range(lens[i])], dtype=torch.long)
-            dst = torch.tensor([j * width + t for j, i in enumerate(seqs) for t in range(lens[i])], dtype=torch.long)
-            self.buckets.append(_Bucket(len(seqs), width, src, dst, torch.tensor([lens[i] for i in seqs])))
+            src = [offsets[i] + t for i in seqs for t in range(lens[i])]
+            dst = [j * width + t for j, i in enumerate(seqs) for t in range(lens[i])]
+            self.buckets.append(_Bucket(len(seqs), width, src, dst, [lens[i] for i in seqs]))
+        self.batch = batch
         self.num_tokens = batch.num_tokens
+        # one bucket already in packed order: its rows need no regather
+        self.in_order = len(self.buckets) == 1 and self.buckets[0].src_rows == list(range(self.num_tokens))
+        self._positions: dict[torch.device, torch.Tensor] = {}
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[N] int64 position of every packed token (RoPE), on `device`, built once per device."""
+        if device not in self._positions:
+            self._positions[device] = self.batch.positions(device)
+        return self._positions[device]
 
     def _gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Per-bucket packed rows -> [N, *rest] in the batch's packed order (differentiable)."""
-        if len(parts) == 1 and self.buckets[0].src.equal(torch.arange(self.num_tokens)):
+        if self.in_order:
             return parts[0]
         out = parts[0].new_zeros(self.num_tokens, *parts[0].shape[1:])
         for bucket, part in zip(self.buckets, parts):
-            out = out.index_copy(0, bucket.src, part)
+            out = out.index_copy(0, bucket.index(part.device)[0], part)
         return out
 
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +350,7 @@ class PackedMixer:
         return layer.output(self._gather(parts), gate)
 
     def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
-        positions = self._gather([torch.arange(b.width).repeat(b.num).index_select(0, b.dst) for b in self.buckets])
+        positions = self.positions(x.device)  # [N]; every sequence starts at 0
         q_nope, q_rope = layer.queries(x, positions)
         latent_rows = layer.latent(x, positions)  # [N, d_c + d_r]
         w_uk, w_uv = (w.float() for w in layer.up_projections())  # [H, Dn, d_c], [H, Dv, d_c]
@@ -335,8 +363,9 @@ class PackedMixer:
             values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
             queries = torch.cat([b.pad(q_nope), b.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
             scores = (queries @ keys.transpose(-1, -2)) * layer.scale  # [B, H, L, L]
-            pos = torch.arange(b.width)
-            allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < b.lens[:, None, None])  # [B, L, L]
+            lens = b.index(x.device)[2]  # [B]
+            pos = torch.arange(b.width, device=x.device)  # [L]
+            allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [B, L, L]
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
             parts.append(b.unpad((scores.softmax(dim=-1) @ values).transpose(1, 2)))  # [n, H, Dv]
         return layer.output(x, self._gather(parts).to(x.dtype))

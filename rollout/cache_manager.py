@@ -116,17 +116,19 @@ class CacheManager:
             self.evictor.fork(parent, children)
 
     def block_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per MLA group, [num_seqs, max_blocks] int64 page ids (padded with -1)."""
+        """Per MLA group, [num_seqs, max_blocks] int64 page ids (padded with -1), on the pool's device."""
         tables = []
         for g in range(self.num_mla_groups):
             width = max(len(s.mla_pages[g]) for s in seqs)
             rows = [s.mla_pages[g] + [-1] * (width - len(s.mla_pages[g])) for s in seqs]
-            tables.append(torch.tensor(rows, dtype=torch.long))  # one tensor per step, not one per sequence
+            # one tensor per step, not one per sequence
+            tables.append(torch.tensor(rows, dtype=torch.long, device=self.pool.device))
         return tables
 
     def state_pages(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per KDA group, [num_seqs] int64 state page of each sequence."""
-        return [torch.tensor([s.kda_pages[g] for s in seqs], dtype=torch.long) for g in range(self.num_kda_groups)]
+        """Per KDA group, [num_seqs] int64 state page of each sequence (on the pool's device)."""
+        return [torch.tensor([s.kda_pages[g] for s in seqs], dtype=torch.long, device=self.pool.device)
+                for g in range(self.num_kda_groups)]
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
         """Pool accounting holds and every refcount equals the references sequences hold."""

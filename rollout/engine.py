@@ -215,7 +215,7 @@ class Engine:
                 rows += [row] * len(children)
             if seqs:
                 if len(rows) != logits.shape[0]:
-                    logits = logits.index_select(0, torch.tensor(rows))
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
                 tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
                 for seq, token, logprob in zip(seqs, tokens, logprobs):
                     self._append(seq, token, logprob)

@@ -3,7 +3,8 @@
 Per step it packs the sequences' new tokens (`SegmentBatch`), builds each layer's metadata from the
 sequences' pages (state page per KDA group, block table per MLA group) and runs
 `HybridLM.run_layers` with `PagedMixer` over the pool's typed views. Logits are formed only for
-sequences whose step reaches their last token (the ones that will sample).
+sequences whose step reaches their last token (the ones that will sample). The tensors it builds
+(token ids, rows to sample) live on the model's device; the page metadata on the pool's.
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ class ModelRunner:
         their last token, their next-token logits [num_sampling, vocab] float32)."""
         seqs = step.seqs
         batch = SegmentBatch(new_lens=list(step.num_new_tokens), starts=[s.num_computed for s in seqs])
+        device = self.model.output_weight.device
         token_ids = torch.tensor([t for s, n in zip(seqs, step.num_new_tokens)
-                                  for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=torch.long)
+                                  for t in s.tokens[s.num_computed:s.num_computed + n]],
+                                 dtype=torch.long, device=device)  # [N]
         state_pages, tables = self.cache.state_pages(seqs), self.cache.block_tables(seqs)
         cfg = self.model.config
         evictor = self.cache.evictor
@@ -58,7 +61,8 @@ class ModelRunner:
         hidden = self.model.run_layers(token_ids, PagedMixer(self.views, paged))  # [N, D]
         sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
         offsets = batch.offsets
-        last_rows = torch.tensor([offsets[i] + step.num_new_tokens[i] - 1 for i in sampling], dtype=torch.long)
+        last_rows = torch.tensor([offsets[i] + step.num_new_tokens[i] - 1 for i in sampling],
+                                 dtype=torch.long, device=device)  # [num_sampling]
         logits = F.linear(hidden[last_rows], self.model.output_weight).float()
         for s, n in zip(seqs, step.num_new_tokens):
             s.num_computed += n

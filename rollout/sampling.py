@@ -57,22 +57,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     Stochastic rows draw one uniform number each from their own generator and invert their CDF in
     one batched search (the same draw whatever else is in the batch); only rows that truncate
-    (top-k / top-p) are handled one by one.
+    (top-k / top-p) are handled one by one. Everything is computed on `logits.device`; the
+    generators are CPU generators (their draws are copied over).
     """
     logits = logits.float()
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
+    device = logits.device
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                               device=device)[:, None]  # [B, 1]
     logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, vocab]
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     rows = [b for b, p in enumerate(params) if p.temperature > 0]
     if rows:
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=device)  # [S]
         kept = logp.index_select(0, index)  # [S, vocab]
         for j, b in enumerate(rows):
             p = params[b]
             if p.top_k or p.top_p < 1.0:
                 kept[j] = truncate(kept[j], p.top_k, p.top_p)
         cdf = kept.exp().cumsum(dim=-1)  # [S, vocab]; dropped tokens add nothing
-        u = torch.cat([torch.rand(1, generator=generators[b]) for b in rows])  # [S] in [0, 1)
+        # Drawn on the host from each request's CPU generator (the numbers a seed gives do not
+        # depend on where the model runs), then moved: one copy per step.
+        u = torch.cat([torch.rand(1, generator=generators[b], device="cpu") for b in rows])  # [S] in [0, 1)
+        u = u.to(device)
         # side="right": the first token whose CDF exceeds u * total, never a zero-probability one.
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0]
         tokens[index] = drawn.clamp_(max=logits.shape[-1] - 1)
