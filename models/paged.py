@@ -147,6 +147,8 @@ class PagedMixer:
 
     def __init__(self, caches: PagedCaches, step: PagedStep) -> None:
         self.caches, self.step = caches, step
+        views = [*caches.kda_state.values(), *caches.mla_latent.values()]
+        dev = self.device = views[0].device if views else torch.device("cpu")  # metadata lives with the pool
         batch = step.batch
         offsets = batch.offsets
         self.decode, self.prefill = step.decode_seqs, step.prefill_seqs
@@ -154,18 +156,19 @@ class PagedMixer:
         if self.pure_decode:
             self.decode_rows = self.decode_index = slice(None)
         else:
-            self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long)  # [Bd]
-            self.decode_index = torch.tensor(self.decode, dtype=torch.long)  # [Bd]
-        self.positions = batch.positions()  # [N] token positions (RoPE)
-        self.seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens)),
-                                                    torch.tensor(batch.new_lens))  # [N]
+            self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long, device=dev)  # [Bd]
+            self.decode_index = torch.tensor(self.decode, dtype=torch.long, device=dev)  # [Bd]
+        self.positions = batch.positions(dev)  # [N] token positions (RoPE)
+        self.seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens), device=dev),
+                                                    torch.tensor(batch.new_lens, device=dev))  # [N]
         self.kv_starts = batch.starts if step.kv_starts is None else list(step.kv_starts)
         if step.kv_starts is None:
             self.slot_positions = self.positions  # [N] MLA slot of each new token
         else:
-            shift = torch.tensor([k - s for k, s in zip(self.kv_starts, batch.starts)], dtype=torch.long)
+            shift = torch.tensor([k - s for k, s in zip(self.kv_starts, batch.starts)], dtype=torch.long, device=dev)
             self.slot_positions = self.positions + shift[self.seq_of_token]
-        self.decode_seq_lens = torch.tensor([self.kv_starts[i] + 1 for i in self.decode], dtype=torch.long)  # [Bd]
+        self.decode_seq_lens = torch.tensor([self.kv_starts[i] + 1 for i in self.decode], dtype=torch.long,
+                                            device=dev)  # [Bd]
         self._write_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(table) -> (pages, slots)
         self.prefill_groups = _length_buckets(self.prefill, [batch.new_lens[i] for i in self.prefill])
         # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
@@ -181,8 +184,10 @@ class PagedMixer:
             batch = self.step.batch
             lens, offsets = [batch.new_lens[i] for i in seqs], batch.offsets
             width = max(lens)
-            src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long)
-            dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long)
+            src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long,
+                               device=self.device)
+            dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long,
+                               device=self.device)
             self._packings[key] = (width, src, dst)
         return self._packings[key]
 
@@ -225,7 +230,7 @@ class PagedMixer:
         num, (width, src, dst) = len(seqs), self._packing(seqs)
         padded_mixed, padded_g, padded_beta = (_pad(x, src, dst, num, width) for x in (mixed, g, beta))  # [Bp, Lmax, ...]
         seq_pages = pages[seqs]  # [Bp]
-        fresh = torch.tensor([batch.starts[i] == 0 for i in seqs])[:, None, None, None]  # [Bp, 1, 1, 1]
+        fresh = torch.tensor([batch.starts[i] == 0 for i in seqs], device=self.device)[:, None, None, None]  # [Bp, 1, 1, 1]
         # A fresh sequence starts from zeros, whatever its page held before (pages are not cleared).
         init = state.index_select(0, seq_pages).masked_fill(fresh, 0.0)  # [Bp, H, dk, dv]
         tails = _tails_to_layer(conv.index_select(0, seq_pages).masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
@@ -237,8 +242,8 @@ class PagedMixer:
             o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
                                     chunk_len=chunk_len or 16)
         state.index_copy_(0, seq_pages, final.to(state.dtype))
-        ends = torch.tensor(lens)[:, None] + torch.arange(layer.kernel - 1)[None]  # [Bp, K-1] ext rows of the new tail
-        new_tails = ext[torch.arange(num)[:, None], ends]  # [Bp, K-1, 3*qkv]
+        ends = torch.tensor(lens, device=self.device)[:, None] + torch.arange(layer.kernel - 1, device=self.device)[None]  # [Bp, K-1] ext rows of the new tail
+        new_tails = ext[torch.arange(num, device=self.device)[:, None], ends]  # [Bp, K-1, 3*qkv]
         conv.index_copy_(0, seq_pages, _tails_to_pool(new_tails, layer.num_heads).to(conv.dtype))
         core.index_copy_(0, src, o.reshape(num * width, *o.shape[2:]).index_select(0, dst).to(core.dtype))
 
@@ -304,18 +309,18 @@ class PagedMixer:
         num, (width, src, dst) = len(seqs), self._packing(seqs)
         heads, d_c = layer.num_heads, layer.kv_lora_rank
         w_uk, w_uv = (w.float() for w in layer.up_projections())
-        starts = torch.tensor([self.kv_starts[i] for i in seqs])  # [Bp] first new slot
-        lens = torch.tensor([batch.new_lens[i] for i in seqs])  # [Bp]
+        starts = torch.tensor([self.kv_starts[i] for i in seqs], device=self.device)  # [Bp] first new slot
+        lens = torch.tensor([batch.new_lens[i] for i in seqs], device=self.device)  # [Bp]
         ends = starts + lens  # [Bp]
         num_blocks = -(-int(ends.max()) // block_tokens)
         span = num_blocks * block_tokens
-        needed = torch.arange(num_blocks) * block_tokens < ends[:, None]  # [Bp, nb]
+        needed = torch.arange(num_blocks, device=self.device) * block_tokens < ends[:, None]  # [Bp, nb]
         pages = tables[seqs, :num_blocks].masked_fill(~needed, 0)  # [Bp, nb]; page 0 stands in, masked
         kv = cache.index_select(0, pages.reshape(-1)).view(num, span, width_kv).float()  # [Bp, S, d_c + d_r]
-        kv_pos = torch.arange(span)
+        kv_pos = torch.arange(span, device=self.device)
         if not bool(kv.sum().isfinite()):
             kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
-        q_pos = starts[:, None] + torch.arange(width)  # [Bp, Lq] slot of each query row
+        q_pos = starts[:, None] + torch.arange(width, device=self.device)  # [Bp, Lq] slot of each query row
         allowed = (kv_pos <= q_pos[..., None]) & (kv_pos < ends[:, None, None])  # [Bp, Lq, S]
         obs = self.step.kv_observer
         extra = obs.extra_kv(index, seqs, None) if obs is not None else None
@@ -331,7 +336,7 @@ class PagedMixer:
         scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         if obs is not None:
-            real = (torch.arange(width) < lens[:, None]).to(probs.dtype)  # [Bp, Lq] rows that are not padding
+            real = (torch.arange(width, device=self.device) < lens[:, None]).to(probs.dtype)  # [Bp, Lq] rows that are not padding
             received = torch.einsum("bqhs,bq->bs", probs, real)  # [Bp, S + M]
             obs.observe(index, seqs, received[:, :span], received[:, span:] if extra is not None else None)
         o_lat = (probs.view(num, width * heads, total) @ kv)[..., :d_c]  # [Bp, Lq*H, d_c]

@@ -519,12 +519,12 @@ class StepObserver:
         count = min(count, scores.shape[1], cfg.max_fetch or scores.shape[1])
         if count == scores.shape[1]:
             return torch.arange(count)
-        return scores.topk(count, dim=1).indices.flatten().unique()
+        return scores.topk(count, dim=1).indices.flatten().unique().cpu()  # indexes host bookkeeping
 
     def observe(self, layer: int, seqs: list[int], resident: torch.Tensor, extra: torch.Tensor | None) -> None:
         columns = self._columns.pop((layer, tuple(seqs)), None)
         for r, i in enumerate(seqs):
             acc = self.resident[i]
-            acc += resident[r, :acc.numel()].double()
+            acc += resident[r, :acc.numel()].double().cpu()  # scores are host bookkeeping
             if extra is not None and columns is not None and columns[r].numel():
-                self.extra[i][columns[r]] += extra[r, :columns[r].numel()].double()
+                self.extra[i][columns[r]] += extra[r, :columns[r].numel()].double().cpu()

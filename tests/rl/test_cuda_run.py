@@ -3,9 +3,9 @@ on one GPU with a streamed KL reference, micro-batches and a resume, and, with t
 `torchrun --nproc_per_node 2` NCCL run against the one-GPU run of the same global batch.
 
 Skipped without a GPU (`pytest -m gpu tests/rl/test_cuda_run.py` on a GPU host). Never run yet:
-written on a CPU-only machine. The CPU half of the device plumbing is tests/rl/test_device.py,
-whose audit lists the factory calls outside rl/ and trainer/ that still create CPU tensors (models/,
-rollout/): until those follow the model's device, the runs below stop at the first forward.
+written on a CPU-only machine. The CPU half of the device plumbing is audited by
+tests/rl/test_device.py (rl/, trainer/), tests/rollout/test_engine_device.py (the engine and the
+paged mixer) and tests/models/test_model_device.py (the training mixer).
 """
 import math
 
