@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from models.config import ModelConfig
 from rl.tracking import TrackingConfig
+from rollout.kv_eviction import KVBudgetConfig, lookup_policy
 from rollout.sampling import SamplingParams
 from trainer.losses import LossConfig
 from trainer.optimizer import OptimizerConfig
@@ -80,6 +81,12 @@ class RolloutConfig:
     """Prefix cache: tokens per hash block (must divide the pool's page of block_tokens tokens);
     null = no prefix cache. Reuse holds within an iteration (new weights never hit old prefixes):
     later turns of a conversation and prompts shared across groups."""
+    kv_budget_tokens: int | None = None
+    """Token eviction for the MLA layers (rollout/kv_eviction.py): MLA cache slots per sequence on the
+    device (4 sink + 32 recent tokens always kept, so > 36); null = full KV."""
+    kv_policy: str = "h2o"
+    """With kv_budget_tokens: "h2o" (evicted tokens are dropped) or "infinigen" (offloaded to host
+    memory and fetched back when the partial-key predictor says attention returns)."""
 
     def __post_init__(self) -> None:
         if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
@@ -106,6 +113,17 @@ class RolloutConfig:
             raise ValueError(f"rollout.prefix_hash_block={self.prefix_hash_block}, expected >= 1 or null (no cache)")
         if self.partial_resume not in ("recompute", "kv"):
             raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
+        try:  # the eviction config's own checks, at composition
+            lookup_policy(self.kv_policy)
+            self.kv_budget()
+        except ValueError as err:
+            raise ValueError(f"rollout.{str(err).removeprefix('kv_budget.')}") from None
+
+    def kv_budget(self) -> KVBudgetConfig | None:
+        """The engine's token-eviction config, or None (full KV)."""
+        if self.kv_budget_tokens is None:
+            return None
+        return KVBudgetConfig(budget_tokens=self.kv_budget_tokens, policy=self.kv_policy)
 
     @property
     def concurrency(self) -> int | None:

@@ -79,7 +79,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> Lo
         max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
         seed=cfg.seed, show_progress=False, host_pool_bytes=cfg.memory.host_pool_mb << 20,
         prefix_cache=(PrefixCacheConfig(hash_block=cfg.rollout.prefix_hash_block, model_id="policy")
-                      if cfg.rollout.prefix_hash_block else None)), ledger=ledger)
+                      if cfg.rollout.prefix_hash_block else None),
+        kv_budget=cfg.rollout.kv_budget()), ledger=ledger)
     t = cfg.trainer
     trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
                                             optimizer=t.optimizer, max_bad_steps=t.max_bad_steps),

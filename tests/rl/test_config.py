@@ -47,6 +47,8 @@ def test_wrong_type_names_key_and_value():
     ("rollout.temperature=0.7", ["temperature=0.7", "1.0"]),
     ("rollout.top_p=1.5", ["rollout.top_p=1.5", "(0, 1]"]),
     ("tracking.wandb_mode=ofline", ["ofline", "offline"]),
+    ("rollout.kv_budget_tokens=30", ["rollout.budget_tokens=30", "sink_tokens + recent_tokens"]),
+    ("rollout.kv_policy=lru", ["unknown eviction policy 'lru'", "'infinigen'"]),
 ])
 def test_bad_values_fail_with_the_value_and_what_was_expected(override, words):
     with pytest.raises(Exception) as err:

@@ -112,3 +112,24 @@ def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path
     assert [m["iteration"] for m in records(crashed / "metrics.jsonl")] == [0, 1, 2]
     assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
         [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+
+
+def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
+    """rollout.kv_budget_tokens: the engine keeps each sequence's MLA cache within the budget
+    (InfiniGen: evicted tokens offloaded to host memory) while the loop trains as usual."""
+    from rollout.engine import Engine
+
+    evicted: list[int] = []
+    stats = Engine.stats
+
+    def watched(self):
+        figures = stats(self)
+        evicted.append(figures["kv_evicted"])
+        return figures
+
+    monkeypatch.setattr(Engine, "stats", watched)
+    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, "rollout.max_new_tokens=48",
+                   "rollout.max_model_len=128", "rollout.kv_budget_tokens=40", "rollout.kv_policy=infinigen")
+    history = run(cfg)
+    assert len(history) == 2 and all(h["groups_trained"] > 0 for h in history)
+    assert evicted and max(evicted) > 0, "48 new tokens after the prompt must exceed a 40-token budget"
