@@ -1,4 +1,4 @@
-"""Fused C++ CPU kernels (`impl="cpu"`): KDA decode ops built on first use with torch's JIT
+"""Fused C++ CPU kernels (`impl="cpu"`; MoE routing on CPU): built on first use with torch's JIT
 extension builder (g++, ~40 s once; cached under $TORCH_EXTENSIONS_DIR, which the Makefile puts in
 .cache/). Their torch twins are the `impl="naive"` paths, and tests compare the two
 (tests/kernels/test_kda_cpu.py).
@@ -8,20 +8,24 @@ be built here; `kernels.impl.default_impl()` then picks "naive".
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("kda_cpu.cpp")
+_NAME = "hybridrl_kda_cpu"
 _state: dict[str, object] = {}
 
 
 def ops():
-    """The compiled module (kda_decode_step, kda_conv_step), or None if it cannot be built."""
+    """The compiled module (kda_decode_step, kda_conv_step, moe_route_dense), or None if it cannot be built."""
     if "module" not in _state:
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import _get_build_directory, load
 
-            _state["module"] = load(name="hybridrl_kda_cpu", sources=[str(_SOURCE)],
+            if not list(Path(_get_build_directory(_NAME, verbose=False)).glob("*.so")):
+                print(f"building the fused CPU kernels ({_SOURCE.name}, once: ~30 s)...", file=sys.stderr, flush=True)
+            _state["module"] = load(name=_NAME, sources=[str(_SOURCE)],
                                     extra_cflags=["-O3"],
                                     verbose=False)
         except Exception as err:  # no compiler, no headers: the torch path still works
