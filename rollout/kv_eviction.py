@@ -28,14 +28,13 @@ where the new tokens' slots begin. Shared pages (forks, the prefix cache) are ne
 compaction copies a shared page first (copy on write). A sequence that evicted anything registers
 nothing in the prefix cache (its pages are no longer the full prefix).
 
-Policies are registered functions with one interface (`register_policy`): given the candidates'
-scores, positions and a protected mask, return which `keep` candidates stay.
+Policies are registered functions with one interface (rollout/kv_policy.py); InfiniGen's partial-key
+predictor is rollout/kv_predictor.py.
 """
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,61 +42,13 @@ import torch
 from memory.host_ledger import HostLedger
 from memory.page_pool import PagePool
 from memory.token_store import HostStoreFull, HostTokenStore
-from models.model import HybridLM, StateMixer
-from models.state import SegmentBatch
+from models.model import HybridLM
+from rollout.kv_policy import EvictionPolicy, heavy_hitters, lookup_policy, register_policy
+from rollout.kv_predictor import PartialKeyPredictor
 from rollout.request import Sequence
 
-
-# ---- policies -------------------------------------------------------------------------------------
-Select = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    name: str
-    select: Select
-    """(scores [n] f64, positions [n] long, protected [n] bool, keep) -> bool mask [n] of the
-    candidates that stay (every protected one, `keep` in all)."""
-    offload: bool
-    """True: what is not kept goes to the host and may come back; False: dropped."""
-
-
-_POLICIES: dict[str, EvictionPolicy] = {}
-
-
-def register_policy(name: str, offload: bool) -> Callable[[Select], Select]:
-    def wrap(select: Select) -> Select:
-        if name in _POLICIES:
-            raise ValueError(f"eviction policy {name!r} is already registered")
-        _POLICIES[name] = EvictionPolicy(name, select, offload)
-        return select
-    return wrap
-
-
-def lookup_policy(name: str) -> EvictionPolicy:
-    if name not in _POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; registered: {sorted(_POLICIES)}")
-    return _POLICIES[name]
-
-
-def heavy_hitters(scores: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor, keep: int) -> torch.Tensor:
-    """Keep every protected candidate, then the highest accumulated scores (ties: the more
-    recent token) until `keep` stay."""
-    stay = protected.clone()
-    room = keep - int(protected.sum())
-    if room < 0:
-        raise ValueError(f"eviction: {int(protected.sum())} protected tokens exceed keep={keep}")
-    free = (~protected).nonzero().flatten()
-    if room and free.numel():
-        # Sort by position descending first, then a stable sort by score: ties go to recency.
-        by_recency = free[positions[free].argsort(descending=True, stable=True)]
-        order = by_recency[scores[by_recency].argsort(descending=True, stable=True)]
-        stay[order[:room]] = True
-    return stay
-
-
-register_policy("h2o", offload=False)(heavy_hitters)
-register_policy("infinigen", offload=True)(heavy_hitters)
+__all__ = ["EvictionPolicy", "KVBudgetConfig", "KVEvictor", "PartialKeyPredictor", "SeqKV", "StepObserver",
+           "heavy_hitters", "lookup_policy", "register_policy"]
 
 
 # ---- configuration --------------------------------------------------------------------------------
@@ -186,69 +137,6 @@ class SeqKV:
     @property
     def num_offloaded(self) -> int:
         return self.off_positions.numel()
-
-
-# ---- InfiniGen's predictor ------------------------------------------------------------------------
-class _CaptureMixer(StateMixer):
-    """The plain model's mixer, recording each MLA layer's input."""
-
-    def __init__(self, batch: SegmentBatch) -> None:
-        super().__init__(batch, [None] * len(batch.new_lens), [[]] * len(batch.new_lens))
-        self.inputs: dict[int, torch.Tensor] = {}
-
-    def mla(self, index, layer, x):
-        self.inputs[index] = x
-        return super().mla(index, layer, x)
-
-
-class PartialKeyPredictor:
-    """Per MLA layer, a [latent, r] projection P so that (q P) . (k P) approximates q . k.
-
-    Fitted offline on a random calibration text run through the model (InfiniGen's skewing, in
-    MLA's absorbed space): the latents' right singular vectors give an orthogonal rotation A
-    (so q A . k A = q . k), and the r rotated channels with the largest mean |q| x mean |k| are
-    kept. r = the whole latent uses the identity: the predictor is then exact."""
-
-    def __init__(self, model: HybridLM, channels: int | None, num_tokens: int, seed: int) -> None:
-        cfg = model.config
-        self.latent_dim = cfg.mla_latent_dim
-        self.channels = min(channels or max(1, self.latent_dim // 4), self.latent_dim)
-        self.exact = self.channels == self.latent_dim
-        self.num_tokens, self.seed = num_tokens, seed
-        self.proj: dict[int, torch.Tensor] = {}
-        self.calibrate(model)
-
-    @torch.inference_mode()
-    def calibrate(self, model: HybridLM) -> None:
-        device = next(model.parameters()).device
-        for layer in model.config.mla_layers:
-            self.proj[layer] = torch.eye(self.latent_dim, device=device)
-        if self.exact:
-            return
-        gen = torch.Generator().manual_seed(self.seed)
-        tokens = torch.randint(0, model.config.vocab_size, (self.num_tokens,), generator=gen).to(device)
-        batch = SegmentBatch(new_lens=[self.num_tokens], starts=[0])
-        mixer = _CaptureMixer(batch)
-        model.run_layers(tokens, mixer)
-        positions = batch.positions(device)
-        for index, x in mixer.inputs.items():
-            attn = model.model.layers[index].self_attn
-            keys = attn.latent(x, positions).float()  # [T, W]
-            q_nope, q_rope = attn.queries(x, positions)
-            w_uk, _ = attn.up_projections()
-            q_lat = torch.einsum("thn,hnc->thc", q_nope.float(), w_uk.float())
-            queries = torch.cat([q_lat, q_rope.float()], dim=-1).reshape(-1, self.latent_dim)  # [T*H, W]
-            rotation = torch.linalg.svd(keys, full_matrices=False).Vh.T  # [W, W] orthogonal
-            weight = (queries @ rotation).abs().mean(0) * (keys @ rotation).abs().mean(0)  # [W]
-            self.proj[index] = rotation[:, weight.topk(self.channels).indices.sort().values].contiguous()
-
-    def keys(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows [m, W] -> partial keys [m, r]."""
-        return rows.float() if self.exact else rows.float() @ self.proj[layer]
-
-    def queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [..., W] -> [..., r]."""
-        return q.float() if self.exact else q.float() @ self.proj[layer]
 
 
 # ---- the evictor ----------------------------------------------------------------------------------
