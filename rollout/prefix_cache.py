@@ -24,48 +24,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from memory.host_pool import HostPagePool
 from memory.page_pool import PagePool
+from rollout.prefix_config import PrefixCacheConfig
 from rollout.prefix_index import PrefixIndex, cache_salt, chain_hashes
 from rollout.request import Sequence
 
-
-@dataclass(frozen=True, kw_only=True)
-class PrefixCacheConfig:
-    hash_block: int = 512
-    """Tokens per hash block (the reuse granularity); the pool's block_tokens must be a multiple."""
-    model_id: str = "model"
-    """Part of every hash's salt (with the policy version)."""
-    eviction: str = "turn_aware"
-    """"turn_aware": turn-boundary checkpoints and the MLA pages under them are evicted last;
-    "lru": least recently used first, whatever they hold."""
-    defer_copies: bool = True
-    """Run page copies as one batch right before the forward pass (False: at once, one by one)."""
-    pin_hits: bool = True
-    """Rule 1: pin every hit page before allocating. Off only in tests that show why."""
-    exclude_pending: bool = True
-    """Rule 2: pages whose copies are pending never match. Off only in tests that show why."""
-    atomic_checkpoints: bool = True
-    """Rule 3: evicting a checkpoint page evicts its siblings in the other KDA groups. Off only in
-    tests that show why."""
-    reuse_stale: bool = False
-    """Partial-rollout reuse: keep the cache across weight updates (prefixes computed by older
-    policy versions may hit; the trainer's importance weights correct for it). Off: a new version
-    empties the cache, and the version is part of every hash's salt."""
-    host_mode: str = "write_back"
-    """With a host tier: "write_back" copies a page to host memory only when the device pool evicts
-    it; "write_through" (the baseline) copies every page when it is registered (again as its
-    registered end advances), so eviction finds it there already."""
-
-    def __post_init__(self) -> None:
-        if self.host_mode not in ("write_back", "write_through"):
-            raise ValueError(f"host_mode={self.host_mode!r}, expected 'write_back' or 'write_through'")
-        if self.hash_block < 1:
-            raise ValueError(f"hash_block={self.hash_block}, expected >= 1")
-        if self.eviction not in ("turn_aware", "lru"):
-            raise ValueError(f"eviction={self.eviction!r}, expected 'turn_aware' or 'lru'")
+__all__ = ["PrefixCache", "PrefixCacheConfig"]
 
 
 class PrefixCache:
