@@ -20,9 +20,10 @@ import torch
 
 from memory.host_ledger import HostLedger
 from memory.page_pool import OutOfPages, PagePool
+from memory.pool_figures import PoolFigures
 
 
-class HostPagePool:
+class HostPagePool(PoolFigures):
     def __init__(self, page_bytes: int, num_pages: int, ledger: HostLedger | None = None,
                  consumer: str = "kv_pool", pin_memory: bool = False) -> None:
         if not isinstance(num_pages, int) or num_pages < 1:
@@ -44,22 +45,6 @@ class HostPagePool:
         if pool_bytes // page_bytes < 1:
             raise ValueError(f"host KV pool: {pool_bytes:,} bytes hold no page of {page_bytes:,} bytes")
         return cls(page_bytes, pool_bytes // page_bytes, **kw)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self._tags)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - self.num_free
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
 
     def allocate(self, num: int, group: tuple[str, int]) -> list[int]:
         """`num` free host pages tagged `group`; all or nothing (OutOfPages, nothing changed)."""

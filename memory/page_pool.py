@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from memory.layout import CacheLayout
+from memory.pool_figures import PoolFigures
 from models.state import KDALayerState
 
 
@@ -39,7 +40,7 @@ class OutOfPages(RuntimeError):
         self.num_requested, self.num_free = num_requested, num_free
 
 
-class PagePool:
+class PagePool(PoolFigures):
     """One flat byte buffer [num_pages, page_bytes] (uint8) on one device; pages of all cache groups
     share one free list and one ref-count scheme.
 
@@ -71,27 +72,15 @@ class PagePool:
                              f"expected at least one page")
         return cls(layout, num_pages, device)
 
-    # ---- figures ---------------------------------------------------------------------------------
+    # ---- figures (num_pages, num_free, num_used, pool_bytes: PoolFigures) -----------------------
     @property
-    def num_pages(self) -> int:
-        return len(self._refcounts)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - self.num_free
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
 
     @property
     def utilization(self) -> float:
         """Fraction of pages in use."""
         return self.num_used / self.num_pages
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_pages * self.layout.page_bytes
 
     @property
     def is_released(self) -> bool:
