@@ -114,6 +114,30 @@ def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path
         [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["rollout:1", "offload:1"])
+def test_kill_with_states_spilled_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault):
+    """memory.spill_dir on: killed while the optimizer states sit on disk (rollout: stale spill files
+    left behind) or just after they were read back and updated (offload: nothing on disk), the
+    resumed run starts from the last checkpoint and ends with the uninterrupted run's weights and
+    rewards."""
+    spill = ("memory.spill_dir=spill",)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = cli(straight, *spill)
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = cli(crashed, *spill, fault=fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    left = list((crashed / "spill").iterdir())
+    assert bool(left) == (fault == "rollout:1"), left  # spilled during rollout, read back (and dropped) before train
+    again = cli(crashed, *spill, "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
+    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
+    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+
+
 def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
     """rollout.kv_budget_tokens: the engine keeps each sequence's MLA cache within the budget
     (InfiniGen: evicted tokens offloaded to host memory) while the loop trains as usual."""
