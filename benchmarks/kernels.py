@@ -6,8 +6,9 @@
 Without CUDA it times only the torch paths (the Triton ones are checked under the interpreter by
 `pytest -m triton`), unless TRITON_INTERPRET=1 is set (then `--small` checks this script end to end). Sizes follow Kimi-Linear-48B: KDA 32 heads of 128x128, MLA latent 512 + 64
 rope dims over 32 heads, pages of `--block-tokens` tokens. Final line:
-kda_decode_speedup=... mla_decode_speedup=... kda_chunk_speedup=... max_rel_err=... (triton / torch
-time ratios inverted: > 1 means the Triton kernel is faster).
+kda_decode_speedup=... mla_decode_speedup=... mla_weights_speedup=... kda_chunk_speedup=... max_rel_err=...
+(torch time / Triton time: > 1 means the Triton kernel is faster). On CPU the fused C++ KDA decode
+(`impl="cpu"`) is timed against torch too: kda_decode_cpu_speedup=....
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
 from kernels.mla.paged import paged_mla_decode
+from kernels.mla.weights import paged_mla_weights
 
 
 def bench(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     q, k = F.normalize(randn(B, H, K), dim=-1), F.normalize(randn(B, H, K), dim=-1)
     v, g, beta = randn(B, H, K), F.logsigmoid(randn(B, H, K)), torch.sigmoid(randn(B, H))
     outs, times = {}, {}
-    for impl in impls:
+    for impl in impls + (("cpu",) if device.type == "cpu" else ()):
         work = state.clone()
         outs[impl] = kda_decode_step(q, k, v, g, beta, work, pages, impl=impl)
         times[impl] = bench(lambda: kda_decode_step(q, k, v, g, beta, state.clone(), pages, impl=impl), device,
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if with_triton:
         errors.append(rel_err(outs["triton"], outs["naive"]))
         figures["kda_decode_speedup"] = times["naive"] / times["triton"]
+    if "cpu" in outs:
+        errors.append(rel_err(outs["cpu"], outs["naive"]))
+        figures["kda_decode_cpu_speedup"] = times["naive"] / times["cpu"]
 
     # Paged MLA decode (absorbed) over ctx tokens per sequence.
     blocks = -(-ctx // bt)
@@ -101,6 +106,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         errors.append(rel_err(outs["triton"], outs["naive"]))
         figures["mla_decode_speedup"] = times["naive"] / times["triton"]
 
+    # Attention weight per cached token (token eviction's scores), from the decode's lse.
+    _, lse = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, return_lse=True)
+    width = int(lens.max())
+    outs, times = {}, {}
+    for impl in impls:
+        outs[impl] = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse, scale=scale, width=width, impl=impl)
+        times[impl] = bench(lambda: paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse, scale=scale,
+                                                      width=width, impl=impl), device, args.repeats)
+    print(f"mla_weights B={B} H={Hm} ctx<={ctx}: " + ", ".join(f"{i} {t * 1e3:.3f} ms" for i, t in times.items()))
+    if with_triton:
+        errors.append(rel_err(outs["triton"], outs["naive"]))
+        figures["mla_weights_speedup"] = times["naive"] / times["triton"]
+
     # KDA chunked prefill of one long sequence with states at hash-block ends.
     q, k = F.normalize(randn(1, T, H, K), dim=-1), F.normalize(randn(1, T, H, K), dim=-1)
     v, g, beta = randn(1, T, H, K), F.logsigmoid(randn(1, T, H, K)), torch.sigmoid(randn(1, T, H))
@@ -115,9 +133,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if with_triton:
         errors += [rel_err(a, b) for a, b in zip(outs["triton"], outs["naive"])]
         figures["kda_chunk_speedup"] = times["naive"] / times["triton"]
-        figures["max_rel_err"] = max(errors)
     else:
         print("no CUDA device: torch paths timed only (Triton checked under the interpreter by pytest -m triton)")
+    if errors:
+        figures["max_rel_err"] = max(errors)
     print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()) or "native=0")
     return figures
 
