@@ -80,7 +80,7 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
                                                                                batch.num_sequences)
     total_valid = max(1, total_valid)
     token_level = loss_config.aggregation == "token-mean"
-    loss_metrics: dict[str, float] = {}
+    parts: list[tuple[float, dict[str, float]]] = []  # (policy tokens, rl_loss metrics) per micro-batch
 
     def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # rl_loss takes [B, T]; a micro-batch's packed rows are one "sequence" for token-mean,
@@ -104,11 +104,28 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
                                 ref_logp=None if ref_logp is None else pad(ref_logp[rows]))
         # Gradients are summed over micro-batches: weight this one by its share of the aggregate.
         share = (int(mask.sum()) / total_valid) if token_level else len(uniq) / max(1, total_seqs)
-        loss_metrics.update(metrics)
+        parts.append((float(mask.sum()), metrics))
         return loss * share
 
     metrics = trainer.train_step(batch.token_ids, batch.seq_lens, batch.targets, loss_fn, micro_batch_tokens)
+    loss_metrics = combine_micro_batches(parts)
     stale = batch.versions[batch.mask]
     return {**{f"loss/{k}": v for k, v in loss_metrics.items()}, **metrics,
             "train_tokens": float(batch.mask.sum()), "train_sequences": float(batch.num_sequences),
             "stale_token_frac": float((stale < stale.max()).float().mean()) if stale.numel() else 0.0}
+
+
+def combine_micro_batches(parts: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """One rank's loss metrics from its micro-batches' (policy tokens, metrics): `*_max` the max,
+    `num_tokens` the sum, anything else the token-weighted mean (as rl/ranks.py merges ranks)."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for _, m in parts for k in m):
+        have = [(w, m[key]) for w, m in parts if key in m]
+        if key.endswith("_max"):
+            out[key] = max(v for _, v in have)
+        elif key == "num_tokens":
+            out[key] = sum(v for _, v in have)
+        else:
+            total = sum(w for w, _ in have)
+            out[key] = sum(w * v for w, v in have if w) / total if total else have[-1][1]
+    return out

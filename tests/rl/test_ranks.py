@@ -124,3 +124,14 @@ def test_collectives_over_gloo_and_the_checksum_error_on_every_rank(tmp_path):
         out = torch.load(tmp_path / f"r{rank}.pt")
         assert out["gathered"] == [{"rank": 0}, {"rank": 1}] and out["total"] == [2.0, 1.0]
         assert out["error"] == "ranks disagree on the engine weights' checksum: rank 0 has 100, rank 1 has 101"
+
+
+def test_micro_batch_metrics_are_combined_not_the_last_one():
+    from rl.update import combine_micro_batches
+
+    parts = [(30.0, {"pg_loss": 1.0, "ratio_max": 1.5, "num_tokens": 30.0, "kl": 0.2}),
+             (10.0, {"pg_loss": 3.0, "ratio_max": 1.25, "num_tokens": 10.0, "kl": 0.6}),
+             (0.0, {"pg_loss": float("nan"), "ratio_max": 1.0, "num_tokens": 0.0, "kl": float("nan")})]
+    out = combine_micro_batches(parts)
+    assert out == {"pg_loss": 1.5, "ratio_max": 1.5, "num_tokens": 40.0, "kl": pytest.approx(0.3)}
+    assert combine_micro_batches([]) == {}
