@@ -38,7 +38,11 @@ class CacheManager:
     def make_room(self, seq: Sequence, num_new: int) -> bool:
         """With a KV budget, evict so `seq` can take `num_new` tokens within it (see
         rollout/kv_eviction.py); False (nothing changed) if copy-on-write lacks free pages."""
-        return self.evictor is None or self.evictor.make_room(seq, num_new)
+        if self.evictor is None:
+            return True
+        if self.prefix is not None and seq.kv_len + num_new > self.evictor.config.budget_tokens:
+            self.prefix.flush()  # compaction reads the sequence's pages: their pending copies land first
+        return self.evictor.make_room(seq, num_new)
 
     def reset(self, seq: Sequence) -> None:
         """Drop everything the sequence has cached: it will be recomputed from token 0."""

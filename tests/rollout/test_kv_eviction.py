@@ -221,3 +221,33 @@ def test_engine_rejects_a_budget_the_pool_cannot_hold(tiny_model):
     assert PagePool(layout, 4).num_pages == 4
     with pytest.raises(ValueError, match="cannot hold one sequence of 200 tokens"):
         engine(tiny_model, KVBudgetConfig(budget_tokens=200), num_pages=8)
+
+
+def test_compaction_right_after_a_prefix_hit_keeps_the_true_rows(tiny_model):
+    # A hit whose partially covered last page is still waiting for its copy (the prefix cache's
+    # deferred copies run at flush, after scheduling) and a chunk that needs eviction at once:
+    # compaction must move the copied rows, not the page's old bytes. Checked against the plain
+    # model's latents for the resident positions (all computed before any eviction).
+    model = tiny_model
+    kv = KVBudgetConfig(budget_tokens=48, sink_tokens=4, recent_tokens=12)
+    eng = engine(model, kv, prefix_cache=PrefixCacheConfig(hash_block=8))
+    prefix = prompts((40,), seed=9)[0]
+    eng.generate([prefix], SamplingParams(temperature=0.0, max_new_tokens=1))
+    with torch.no_grad():
+        state = model.forward_with_state([torch.tensor(prefix)]).states[0]
+    checked = []
+    run_step = eng.runner.run
+
+    def run_checked(step):
+        for seq in step.seqs:
+            if seq.kv is not None and seq.kv.pruned and not checked:
+                rows = eng.evictor._gather(seq, torch.arange(seq.kv_len))  # [n, mla layers, W]
+                for i, layer in enumerate(eng.evictor.mla_layers):
+                    torch.testing.assert_close(rows[:, i], state.mla[layer][seq.kv.positions], rtol=1e-5, atol=1e-5)
+                checked.append(seq.kv.positions.tolist())
+        return run_step(step)
+
+    eng.runner.run = run_checked
+    hits = eng.cache.prefix.hit_tokens
+    eng.generate([prefix + list(range(100, 120))], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert eng.cache.prefix.hit_tokens - hits == 40 and checked and max(checked[0]) >= 32
