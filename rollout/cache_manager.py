@@ -58,7 +58,9 @@ class CacheManager:
         return kda + self.num_mla_groups * max(0, self.layout.mla_pages_for(num_tokens) - have)
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages one private sequence of `num_tokens` tokens holds."""
+        """Pages one private sequence of `num_tokens` tokens holds (at most its KV budget's worth)."""
+        if self.evictor is not None:
+            num_tokens = min(num_tokens, self.evictor.config.budget_tokens)
         return self.num_kda_groups + self.num_mla_groups * self.layout.mla_pages_for(num_tokens)
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:

@@ -101,7 +101,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
         longest = config.max_model_len if config.kv_budget is None else min(config.max_model_len,
                                                                             config.kv_budget.budget_tokens)
-        max_pages = self.cache.pages_for_tokens(longest)
+        max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
         if max_pages > self.pool.num_pages:
             raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
                              f"({max_pages} pages; max_model_len={config.max_model_len}): lower max_model_len (or "

@@ -251,3 +251,13 @@ def test_compaction_right_after_a_prefix_hit_keeps_the_true_rows(tiny_model):
     hits = eng.cache.prefix.hit_tokens
     eng.generate([prefix + list(range(100, 120))], SamplingParams(temperature=0.0, max_new_tokens=2))
     assert eng.cache.prefix.hit_tokens - hits == 40 and checked and max(checked[0]) >= 32
+
+
+def test_page_estimates_respect_the_budget(tiny_model):
+    # What the dispatcher's full-length admission and the engine's pool check count per sequence.
+    plain = engine(tiny_model)
+    budgeted = engine(tiny_model, KVBudgetConfig(budget_tokens=48, sink_tokens=4, recent_tokens=12))
+    kda = len(plain.layout.kda_groups)
+    assert plain.cache.pages_for_tokens(200) == kda + math.ceil(200 / BLOCK)
+    assert budgeted.cache.pages_for_tokens(200) == kda + math.ceil(48 / BLOCK)
+    assert budgeted.cache.pages_for_tokens(20) == plain.cache.pages_for_tokens(20)
