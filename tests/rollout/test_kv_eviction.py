@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from memory.page_pool import PagePool
-from memory.layout import CacheLayout
 from rollout.engine import Engine, EngineConfig
 from rollout.kv_eviction import KVBudgetConfig, SeqKV, heavy_hitters, lookup_policy, register_policy
 from rollout.prefix_cache import PrefixCacheConfig
@@ -217,8 +215,7 @@ def test_seqkv_fresh_accounts_every_token():
 
 
 def test_engine_rejects_a_budget_the_pool_cannot_hold(tiny_model):
-    layout = CacheLayout.for_model(tiny_model.config, block_tokens=BLOCK)
-    assert PagePool(layout, 4).num_pages == 4
+    # 3 KDA pages + ceil(200 / 16) = 13 MLA pages > 8: a clear error naming the sequence length.
     with pytest.raises(ValueError, match="cannot hold one sequence of 200 tokens"):
         engine(tiny_model, KVBudgetConfig(budget_tokens=200), num_pages=8)
 
