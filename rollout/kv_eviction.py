@@ -242,9 +242,7 @@ class KVEvictor:
         keep_slots = stay[:kv.length].nonzero().flatten()  # resident slots that stay, in slot order
         readmit = stay[kv.length:].nonzero().flatten()  # offloaded entries coming back
         gone = (~stay[:kv.length]).nonzero().flatten()
-        if not self._rewrite(seq, keep_slots, readmit, gone):
-            return False
-        return True
+        return self._rewrite(seq, keep_slots, readmit, gone)
 
     def _gather(self, seq: Sequence, slots: torch.Tensor) -> torch.Tensor:
         """Rows [n, num_mla_layers, W] of the sequence's slots."""
