@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"streamed: {stats.bytes_loaded} B copied host->slots per forward, {stats.load_wait_s * 1e3:.1f} ms waited "
           f"for copies, {best_streamed:.3f} s; logprobs bit-identical; outside the arena: parameters "
           f"{stats.weights_outside_arena_bytes} B, allocation growth {stats.device_alloc_delta_bytes} B, "
-          f"one chunk's transient fused copies {stats.derived_weight_bytes} B")
+          f"fused copies built {stats.derived_weight_bytes} B (the forward runs unfused)")
     print(f"streamed keeps {buffer_bytes} B of buffers (router correction biases) resident, allocated once at "
           f"construction")
     print(f"process CPU time: streamed {cpu_streamed:.3f} s, resident {cpu_resident:.3f} s, "

@@ -29,12 +29,14 @@ from safetensors.torch import save_file
 
 from models.config import ModelConfig
 from models.model import HybridLM
+from models.precision import KEEP_FP32
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MLP = re.compile(r"^(model\.layers\.\d+\.)mlp\.")
-# Kept in float32 whatever the model dtype, as in the reference (routing and decay are precision-sensitive).
-_FP32_SUFFIXES = ("e_score_correction_bias", "mlp.gate.weight", "dt_bias", "A_log")
+# Kept in float32 whatever the model dtype, as in the reference (routing and decay are precision-sensitive):
+# the parameters models/precision.py keeps in float32, and the routers' correction bias (a buffer).
+_FP32_SUFFIXES = ("e_score_correction_bias", *KEEP_FP32)
 
 
 class CheckpointError(ValueError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.fused import unfused
 from models.model import HybridLM, Mixer, PackedMixer
 from models.state import SegmentBatch
 
@@ -78,7 +79,13 @@ class ChunkedModel:
     def forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                          logprob_chunk_len: int = 1024) -> torch.Tensor:
         """Per-token log p(targets | prefix) [N] float32 through the same chunk path as training
-        (old-policy and reference logprobs)."""
+        (old-policy and reference logprobs). Unfused (models/fused.py): the same ops as the
+        reference streamed through the gradient slots, which may build no weight copy."""
+        with unfused():
+            return self._forward_logprobs(token_ids, seq_lens, targets, logprob_chunk_len)
+
+    def _forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
+                          logprob_chunk_len: int) -> torch.Tensor:
         mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
         hidden = self.model.model.embed_tokens(token_ids)
         for c in range(len(self.specs)):

@@ -16,12 +16,12 @@ then they swap. With one slot the copies are not overlapped. Chunk n+1's copy st
 chunk n-1 (the slot's previous user) has finished (CPU: synchronous; CUDA: the side stream waits
 for the compute stream).
 
-Layout: chunk c's parameters in `ChunkedModel.chunk_parameters(c)` order, packed back to back from
-slot element 0 — the same offsets as the trainer's gradient views of chunk c. A tied output head
-(embedding owned by chunk 0) is appended to the last chunk as well, so the last chunk carries its
-own copy. A chunk larger than a slot is a ValueError at construction. All parameters must share
-one dtype; a slot is reinterpreted as that dtype (`slot.view(dtype)`, so bf16 weights fit twice
-as many elements as the fp32 gradients they stand in for).
+Layout: chunk c's parameters in `ChunkedModel.chunk_parameters(c)` order, packed back to back in
+bytes from the start of the slot, each aligned to its element size. A tied output head (embedding owned by
+chunk 0) is appended to the last chunk as well, so the last chunk carries its own copy. A chunk
+larger than a slot is a ValueError at construction. Parameters keep their own dtype: a slot is
+seen as bytes and each parameter as a dtype view of its range, so a bf16 model (with its few
+float32 parameters, models/precision.py) fits in about half a slot sized for its FP32 gradients.
 
 The module: a `HybridLM` built on the meta device (no storage). Binding chunk c sets each of its
 parameters to an `nn.Parameter` over a view of the slot; unbinding puts a meta parameter back, so
@@ -37,13 +37,10 @@ must lie inside the lent slots (data_ptr ranges) and on CUDA `torch.cuda.memory_
 not change across copying and binding a chunk (activations are allocated elsewhere in the
 forward, so they are outside that window). Figures of the last call: `stats`.
 
-One exception, CPU only: without autograd the layers concatenate sibling projections into cached
-fused weights (models/fused.py: KDA's six input projections, the MoE's gate|up and down), a copy
-of most of a chunk's weights outside the slots. They are built by the chunk's forward (the slot
-contents changed since the last call, so the cache misses) and dropped right after it, so at most
-one chunk's fused copies exist at a time and none outlive the call; `stats.derived_weight_bytes`
-reports the largest (a resident model keeps all of them). On CUDA the layers take the unfused
-path and build none.
+The forward runs with the layers' fused inference projections off (models/fused.py `unfused`):
+on CPU those concatenate sibling weights into cached copies, which here would be a copy of the
+chunk's weights outside the slots. So no derived weight is built (`stats.derived_weight_bytes`
+is asserted 0), and `ChunkedModel.forward_logprobs` (the resident twin) runs unfused as well.
 
 Host bytes: pass a `memory.host_ledger.HostLedger` to lease the host vectors' bytes as consumer
 "reference" before they are allocated; `close()` frees them and returns the lease.
@@ -60,6 +57,7 @@ from torch import nn
 
 from memory.grad_arena import GradArena
 from memory.host_ledger import HostLedger
+from models.fused import drop_fused, unfused
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
 from trainer.chunks import split_chunks
@@ -75,12 +73,21 @@ class _Entry:
     """The skeleton module that owns it."""
     leaf: str
     shape: torch.Size
+    dtype: torch.dtype
     offset: int
-    """First element in the slot (in the weights' dtype)."""
+    """First byte in the slot (a multiple of the element size)."""
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
 
 
 @dataclass
@@ -98,8 +105,8 @@ class StreamStats:
     """CUDA: change of memory_allocated() across copying and binding a chunk, max over chunks
     (asserted 0). Not measurable on CPU: 0."""
     derived_weight_bytes: int = 0
-    """CPU: bytes of fused weight copies the layers cached during one chunk's forward (dropped after
-    it), max over chunks. 0 on CUDA."""
+    """Bytes of weight copies the layers cached during a chunk's forward, max over chunks (asserted 0:
+    the forward runs unfused)."""
 
 
 class StreamedReference:
@@ -107,17 +114,10 @@ class StreamedReference:
         """Copy `model`'s weights into per-chunk host vectors (the model is not kept: drop it to free
         its memory). `arena`: the trainer's gradient slots the forward borrows; `num_chunks`: the
         trainer's VPP split (the slots are sized for it). Raises ValueError if a chunk does not fit
-        a slot or the parameters mix dtypes."""
-        dtypes = {p.dtype for p in model.parameters()}
-        if len(dtypes) != 1:
-            raise ValueError(f"streamed reference: parameters mix dtypes {sorted(map(str, dtypes))}; one dtype needed")
-        self.dtype = dtypes.pop()
+        a slot."""
         self.arena, self.num_chunks, self.config = arena, num_chunks, model.config
         self.device = arena.device
-        if arena.slot_bytes % self.dtype.itemsize:
-            raise ValueError(f"streamed reference: slot of {arena.slot_bytes} B does not hold whole "
-                             f"{self.dtype} elements")
-        self.slot_capacity = arena.slot_bytes // self.dtype.itemsize  # elements of self.dtype per slot
+        self.slot_capacity = arena.slot_bytes  # bytes per slot
         self.specs = split_chunks(model.config.num_hidden_layers, num_chunks)
 
         with torch.device("meta"):
@@ -125,15 +125,15 @@ class StreamedReference:
         for name, buf in model.named_buffers():  # small, resident (see the module docstring)
             owner, leaf = self._owner(name)
             owner._buffers[leaf] = buf.detach().to(self.device, copy=True)
+        self._dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self.layout = [self._chunk_layout(c) for c in range(num_chunks)]
         for c, entries in enumerate(self.layout):
-            numel = entries[-1].offset + entries[-1].numel
-            if numel > self.slot_capacity:
-                raise ValueError(f"streamed reference: chunk {c} has {numel} {self.dtype} weights but a gradient slot "
-                                 f"holds {self.slot_capacity} ({arena.slot_bytes} B); the arena must be sized for "
-                                 f"the largest chunk of this split (num_chunks={num_chunks})")
+            if entries[-1].end > self.slot_capacity:
+                raise ValueError(f"streamed reference: chunk {c} has {entries[-1].end} B of weights but a gradient slot "
+                                 f"holds {self.slot_capacity} B; the arena must be sized for the largest chunk of "
+                                 f"this split (num_chunks={num_chunks})")
         self.ledger = ledger
-        self.host_bytes = sum((e[-1].offset + e[-1].numel) * self.dtype.itemsize for e in self.layout)
+        self.host_bytes = sum(e[-1].end for e in self.layout)
         if ledger is not None:
             ledger.lease(LEDGER_CONSUMER, self.host_bytes)  # before allocating: a refusal leaves nothing behind
         pinned = self.device.type == "cuda"
@@ -141,11 +141,10 @@ class StreamedReference:
         self.host: list[torch.Tensor] | None = []  # None after close()
         with torch.no_grad():
             for entries in self.layout:
-                flat = torch.empty(entries[-1].offset + entries[-1].numel, dtype=self.dtype, device="cpu",
-                                   pin_memory=pinned)
+                flat = torch.zeros(entries[-1].end, dtype=torch.uint8, device="cpu", pin_memory=pinned)
                 for e in entries:
-                    flat[e.offset:e.offset + e.numel].copy_(source[e.name].reshape(-1))
-                self.host.append(flat)  # [chunk numel] in self.dtype
+                    flat[e.offset:e.end].view(e.dtype).copy_(source[e.name].reshape(-1))
+                self.host.append(flat)  # [chunk bytes] uint8
         self.stats = StreamStats()
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
@@ -164,14 +163,16 @@ class StreamedReference:
         entries, offset = [], 0
         for name in names:
             owner, leaf = self._owner(name)
-            shape = owner._parameters[leaf].shape
-            entries.append(_Entry(name, owner, leaf, shape, offset))
-            offset += shape.numel()
+            dtype = self._dtypes[name]
+            offset = -(-offset // dtype.itemsize) * dtype.itemsize  # a dtype view needs an aligned start
+            entry = _Entry(name, owner, leaf, owner._parameters[leaf].shape, dtype, offset)
+            entries.append(entry)
+            offset = entry.end
         return entries
 
     # ---- one chunk's weights -----------------------------------------------------------------------
     def _load(self, chunk: int, slot: torch.Tensor) -> None:
-        """Copy chunk `chunk`'s host vector into the front of `slot` (a dtype view of a lent slot).
+        """Copy chunk `chunk`'s host vector into the front of `slot` (a byte view of a lent slot).
         Runs on the loader (background thread / side stream)."""
         host = self.host[chunk]
         slot[:host.numel()].copy_(host, non_blocking=host.is_pinned())
@@ -179,9 +180,9 @@ class StreamedReference:
     def _bind(self, chunk: int, slot: torch.Tensor, slot_ranges: list[tuple[int, int]]) -> None:
         outside = 0
         for e in self.layout[chunk]:
-            param = nn.Parameter(slot[e.offset:e.offset + e.numel].view(e.shape), requires_grad=False)
+            param = nn.Parameter(slot[e.offset:e.end].view(e.dtype).view(e.shape), requires_grad=False)
             start = param.data_ptr()
-            end = start + e.numel * self.dtype.itemsize
+            end = start + e.nbytes
             if not any(lo <= start and end <= hi for lo, hi in slot_ranges):
                 outside += end - start
             e.module._parameters[e.leaf] = param
@@ -192,17 +193,13 @@ class StreamedReference:
 
     def _unbind(self, chunk: int) -> None:
         for e in self.layout[chunk]:
-            e.module._parameters[e.leaf] = nn.Parameter(torch.empty(e.shape, dtype=self.dtype, device="meta"),
+            e.module._parameters[e.leaf] = nn.Parameter(torch.empty(e.shape, dtype=e.dtype, device="meta"),
                                                         requires_grad=False)
 
     def _drop_derived(self) -> int:
-        """Drop the fused-weight caches the layers built from the bound weights (models/fused.py keeps
-        them in a module's `_fused_weights`); returns their bytes."""
-        dropped = {}
-        for module in self.module.modules():
-            for _, tensor in module.__dict__.pop("_fused_weights", {}).values():
-                dropped[tensor.data_ptr()] = tensor.untyped_storage().nbytes()
-        return sum(dropped.values())
+        """Drop any fused-weight cache the layers built from the bound weights (none: the forward runs
+        unfused; kept as the check that says so); returns their bytes."""
+        return drop_fused(self.module)
 
     def bound_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of every parameter that currently has storage (tests: none outside a forward)."""
@@ -220,8 +217,8 @@ class StreamedReference:
         self.stats = StreamStats()
         mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
         num_slots = self.arena.num_slots
-        with self.arena.lend(LEDGER_CONSUMER) as raw:
-            slots = [s.view(self.dtype) for s in raw]  # [slot_capacity] each
+        with self.arena.lend(LEDGER_CONSUMER) as raw, unfused():
+            slots = [s.view(torch.uint8) for s in raw]  # [slot_capacity] bytes each
             ranges = [(s.data_ptr(), s.data_ptr() + s.numel() * s.element_size()) for s in slots]
             loader = _StreamLoader(self, slots) if self.device.type == "cuda" else _ThreadLoader(self, slots)
             pending: dict[int, object] = {}
@@ -245,7 +242,7 @@ class StreamedReference:
                             raise RuntimeError(f"streamed reference: device allocation changed by {delta} B while "
                                                f"materialising chunk {c}'s weights")
                     self.stats.chunks_loaded += 1
-                    self.stats.bytes_loaded += self.host[c].numel() * self.dtype.itemsize
+                    self.stats.bytes_loaded += self.host[c].numel()
                     # The ops of ChunkedModel.forward_logprobs, chunk by chunk.
                     if spec.has_embedding:
                         hidden = self.module.model.embed_tokens(token_ids)  # [N, D]

@@ -32,6 +32,7 @@ from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint
 from models.model import HybridLM
+from models.precision import dtype_name
 from trainer.chunks import ChunkedModel
 from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
 
@@ -75,6 +76,17 @@ class TrainerConfig:
 LEDGER_CONSUMER = "train_states"
 
 
+def _accumulate_main_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a low-precision parameter: add its `.grad` (this backward's
+    gradient, in the parameter's dtype) into the FP32 `main_grad` view bound by the trainer."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        raise RuntimeError(f"a {param.dtype} parameter {tuple(param.shape)} received a gradient outside a trainer "
+                           f"step (no FP32 main_grad slot bound)")
+    main.add_(param.grad)
+    param.grad = None
+
+
 class Trainer:
     """Host states (FP32 master shards + AdamW moments) can be spilled to NVMe between iterations:
     `offload_states(store)` writes them and frees their host memory, `restore_states()` reads them
@@ -87,13 +99,18 @@ class Trainer:
                  ledger: HostLedger | None = None) -> None:
         self.model, self.config, self.group, self.ledger = model, config, group, ledger
         self._leased_bytes = 0
-        low = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
-        if low:
-            # .grad views into the FP32 arena need FP32 parameters; bf16 weights need main_grad
-            # hooks (megatron's scheme), not built yet.
-            raise NotImplementedError(f"Trainer needs float32 parameters for now, found {low}")
+        odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype not in (torch.float32, torch.bfloat16)})
+        if odd:
+            raise ValueError(f"Trainer: parameters of dtype {odd}; expected float32 or bfloat16 (models/precision.py)")
         self.chunked = ChunkedModel(model, config.num_chunks)
         self.chunk_params = [[p for _, p in self.chunked.chunk_parameters(c)] for c in range(config.num_chunks)]
+        for params in self.chunk_params:
+            for p in params:
+                if p.dtype != torch.float32 and not getattr(p, "_main_grad_hooked", False):
+                    # Megatron's main_grad: each backward's low-precision .grad is added into the
+                    # FP32 slot view and dropped at once, so .grad never holds the real gradient.
+                    p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+                    p._main_grad_hooked = True  # one hook per parameter, however many trainers see it
         self.optimizer = ShardedHostAdamW(self.chunk_params, config.optimizer, group)
         device = next(model.parameters()).device
         slot_numel = max(self.optimizer.padded_numel(c) for c in range(config.num_chunks))
@@ -114,6 +131,12 @@ class Trainer:
         elif target < self._leased_bytes:
             self.ledger.release(LEDGER_CONSUMER, self._leased_bytes - target)
         self._leased_bytes = target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The run's parameter dtype: that of the embedding (a few parameters stay float32 in a bf16
+        model, models/precision.py `KEEP_FP32`)."""
+        return self.model.model.embed_tokens.weight.dtype
 
     @property
     def states_spilled(self) -> bool:
@@ -139,18 +162,26 @@ class Trainer:
         return moved
 
     def _bind(self, chunk: int) -> None:
-        buffer = self.arena.acquire(chunk)  # [slot_numel] zeroed
+        """Give chunk `chunk`'s parameters their FP32 gradient views in a fresh arena slot: an FP32
+        parameter's `.grad` is the view (autograd accumulates into it in place); a bf16 parameter's
+        `main_grad` is (its hook adds each backward's bf16 `.grad` into it, then drops the `.grad`)."""
+        buffer = self.arena.acquire(chunk)  # [slot_numel] zeroed, float32
         views, offset = [], 0
         for p in self.chunk_params[chunk]:
-            p.grad = buffer[offset:offset + p.numel()].view_as(p)  # autograd accumulates in place
-            views.append(p.grad)
+            view = buffer[offset:offset + p.numel()].view(p.shape)  # [*p.shape] float32
+            if p.dtype == torch.float32:
+                p.grad = view
+            else:
+                p.main_grad = view
+            views.append(view)
             offset += p.numel()
         self._bound[chunk] = (buffer, views)
 
     def _reduce_and_release(self, chunk: int) -> None:
         buffer, views = self._bound.pop(chunk)
         params = self.chunk_params[chunk]
-        if any(p.grad is not v for p, v in zip(params, views)):
+        if any((p.grad is not v) if p.dtype == torch.float32 else (p.grad is not None or p.main_grad is not v)
+               for p, v in zip(params, views)):
             raise RuntimeError(f"chunk {chunk}: autograd replaced a .grad instead of accumulating into the arena")
         flat = buffer[:self.optimizer.padded_numel(chunk)]  # parameters, then zero padding
         shard = self.optimizer.shard_numels[chunk]
@@ -162,6 +193,8 @@ class Trainer:
         self.optimizer.add_grad(chunk, mine)
         for p in params:
             p.grad = None
+            if p.dtype != torch.float32:
+                p.main_grad = None
         self.arena.release(chunk)
 
     def train_step(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
@@ -259,7 +292,8 @@ class Trainer:
                 self.ledger.release(LEDGER_CONSUMER, transient)
         os.replace(tmp, path / f"optimizer-rank{rank}.pt")
         if rank == 0:
-            meta = {"step": self.step_count, "world_size": world, "num_chunks": self.config.num_chunks}
+            meta = {"step": self.step_count, "world_size": world, "num_chunks": self.config.num_chunks,
+                    "dtype": dtype_name(self.dtype)}
             (path / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
         if world > 1:
             dist.barrier(group=self.group)
@@ -269,6 +303,10 @@ class Trainer:
         """Restore weights, this rank's optimizer shard and the step counter written by `save`."""
         path = Path(path)
         meta = json.loads((path / "trainer.json").read_text())
+        saved = meta.get("dtype", "fp32")  # checkpoints from before the dtype knob are fp32
+        if saved != dtype_name(self.dtype):
+            raise ValueError(f"checkpoint {path} was written by a dtype={saved!r} run; this trainer's parameters are "
+                             f"dtype={dtype_name(self.dtype)!r}: resume with experiment.dtype={saved}")
         if (meta["world_size"], meta["num_chunks"]) != (self.optimizer.world, self.config.num_chunks):
             raise ValueError(f"checkpoint {path} was written with world_size={meta['world_size']}, "
                              f"num_chunks={meta['num_chunks']}; this trainer has world_size={self.optimizer.world}, "
