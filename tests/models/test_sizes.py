@@ -59,7 +59,7 @@ def test_48b_shape_on_meta_matches_the_published_size():
     total, activated = total_parameters(model), activated_parameters(model)
     assert total == model.config.num_parameters() == 49_122_675_072
     assert activated == 3_106_965_888
-    # The model card says "48B total, 3B activated"; the checkpoint's safetensors hold 49.1B.
+    # The model card's rounded figures are "48B total, 3B activated" (the name's "48B" and "A3B").
     assert abs(total / 49.1e9 - 1) < 0.01 and abs(total / 48e9 - 1) < 0.03
     assert abs(activated / 3e9 - 1) < 0.05
     # Routed experts are 96% of the weights: why only top_k of them per token makes it "A3B".
