@@ -128,6 +128,11 @@ class DtypeFigures:
     syncs_per_decode_step: float | None = None
     slot_bytes: int | None = None
     activation_bytes: int | None = None
+    """Peak of saved tensors + chunk inputs, one live set."""
+    saved_bytes: int | None = None
+    """Peak of the saved tensors alone (what rl/plan_activation.py predicts)."""
+    host_state_bytes: int | None = None
+    """The host optimizer's FP32 masters + AdamW moments after the step."""
     train_s: float | None = None
     loss: float | None = None
 
@@ -151,23 +156,23 @@ def measure_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     return seconds, [o.samples[0].tokens for o in outs], engine.peak_pages_used * engine.pool.page_bytes
 
 
-def measure_train_step(trainer: Trainer, seq_lens: list[int], vocab: int) -> tuple[float, int, float]:
-    """One train step on random packed tokens -> (seconds, activation peak bytes, loss). Mutates the
-    policy's weights and the host optimizer."""
+def measure_train_step(trainer: Trainer, seq_lens: list[int], vocab: int) -> tuple[float, int, int, float]:
+    """One train step on random packed tokens -> (seconds, peak bytes of saved tensors + chunk
+    inputs, peak bytes of saved tensors alone, loss). Mutates the policy's weights and the host optimizer."""
     gen = torch.Generator().manual_seed(1)
     num_tokens = sum(seq_lens)
     tokens = torch.randint(0, vocab, (num_tokens,), generator=gen)  # [N]
     targets = torch.randint(0, vocab, (num_tokens,), generator=gen)  # [N]
-    meter = SavedTensorMeter()
+    meter, saved = SavedTensorMeter(), SavedTensorMeter()
     handles = meter.track_chunk_inputs(trainer)
     t0 = time.perf_counter()
     try:
-        with meter.hooks():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.track(meter.track(t)), lambda t: t):
             metrics = trainer.train_step(tokens, seq_lens, targets, lambda lp, rows: -lp.sum() / num_tokens)
     finally:
         for handle in handles:
             handle.remove()
-    return time.perf_counter() - t0, meter.peak, metrics["loss"]
+    return time.perf_counter() - t0, meter.peak, saved.peak, metrics["loss"]
 
 
 def run_dtype(cfg: ModelConfig, dtype: torch.dtype, args: argparse.Namespace,
@@ -185,13 +190,24 @@ def run_dtype(cfg: ModelConfig, dtype: torch.dtype, args: argparse.Namespace,
     engine.sleep()  # the colocated cycle: pool (and CPU fused weight copies) released before training
     trainer = make_trainer(policy, args.chunks)
     if trainer is not None:
-        seconds, activations, loss = measure_train_step(trainer, [args.train_len] * args.train_seqs,
-                                                        min(cfg.vocab_size, 256))
-        figures.train_s, figures.activation_bytes, figures.loss = seconds, activations, loss
-        figures.slot_bytes = trainer.arena.total_bytes
+        seconds, activations, saved, loss = measure_train_step(trainer, [args.train_len] * args.train_seqs,
+                                                               min(cfg.vocab_size, 256))
+        figures.train_s, figures.activation_bytes, figures.saved_bytes, figures.loss = seconds, activations, saved, loss
+        figures.slot_bytes, figures.host_state_bytes = trainer.arena.total_bytes, trainer.optimizer.host_bytes()
     del engine, trainer, policy
     gc.collect()
     return figures
+
+
+def warm_up() -> None:
+    """One tiny-model train step per dtype: one-time process costs (lazy imports, the optimizer's
+    extension load, thread pools) land here, not on whichever dtype is timed first."""
+    tiny = load_model_config("configs/model/tiny.yaml")
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = cast_policy(HybridLM(tiny).init_weights(seed=0), dtype)
+        trainer = make_trainer(policy, 2) if policy is not None else None
+        if trainer is not None:
+            measure_train_step(trainer, [16, 16], 256)
 
 
 def fmt(value: float | int | None, spec: str = ".3g") -> str:
@@ -219,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
                for n in torch.randint(32, 64, (args.prompts,), generator=gen)]
     say(f"{args.config}: {cfg.num_parameters():,} parameters")
 
+    warm_up()
     runs = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         runs[name] = run_dtype(cfg, dtype, args, prompts)
