@@ -130,6 +130,19 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Hybri
     return load_weights(model, path, dtype).eval()
 
 
+def checkpoint_dtype(path: str | Path) -> torch.dtype | None:
+    """The weights' dtype a checkpoint directory declares in config.json ("dtype", or transformers'
+    older "torch_dtype"), None when it declares none."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{path}/config.json declares dtype {name!r}, which is not a torch dtype")
+    return dtype
+
+
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)

@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from models.config import ModelConfig
+from models.precision import check_dtype_supported, parse_dtype
 from rl.tracking import TrackingConfig
 from rollout.kv_eviction import KVBudgetConfig, lookup_policy
 from rollout.sampling import SamplingParams
@@ -84,6 +85,9 @@ class RolloutConfig:
     kv_budget_tokens: int | None = None
     """Token eviction for the MLA layers (rollout/kv_eviction.py): MLA cache slots per sequence on the
     device (4 sink + 32 recent tokens always kept, so > 36); null = full KV."""
+    kda_state_dtype: str = "fp32"
+    """Element type of the engine's KDA state pages, "fp32" or "bf16" (the MLA cache takes
+    experiment.dtype): the recurrent state integrates every token, hence FP32 by default."""
     kv_policy: str = "h2o"
     """With kv_budget_tokens: "h2o" (evicted tokens are dropped) or "infinigen" (offloaded to host
     memory and fetched back when the partial-key predictor says attention returns)."""
@@ -111,6 +115,10 @@ class RolloutConfig:
                              f"(the trainer's logprobs are not temperature-scaled yet)")
         if self.prefix_hash_block is not None and self.prefix_hash_block < 1:
             raise ValueError(f"rollout.prefix_hash_block={self.prefix_hash_block}, expected >= 1 or null (no cache)")
+        try:
+            parse_dtype(self.kda_state_dtype)
+        except ValueError as err:
+            raise ValueError(f"rollout.kda_state_{err}") from None
         if self.partial_resume not in ("recompute", "kv"):
             raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
         try:  # the eviction config's own checks, at composition
@@ -194,7 +202,16 @@ class ExperimentConfig:
     torch.cuda.is_available(), else cpu). The resolved device is the run's `Ranks.device`, printed at
     start. Default cpu until a GPU has run the loop (rl/README.md)."""
 
+    dtype: str = "fp32"
+    """Parameter dtype on the device: "fp32" or "bf16" (Megatron's recipe: bf16 weights, FP32 gradient
+    slots, FP32 masters and AdamW moments on the host; models/precision.py). A checkpoint to start
+    from or resume must have been written in the same dtype."""
+
     def __post_init__(self) -> None:
+        try:
+            parse_dtype(self.dtype)
+        except ValueError as err:
+            raise ValueError(f"experiment.{err}") from None
         if self.iterations < 1:
             raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
         if not self.init_std > 0:
@@ -205,6 +222,15 @@ class ExperimentConfig:
             raise ValueError(f"experiment.device='cuda' but CUDA is not available here (torch.cuda.is_available() "
                              f"is False; torch {torch.__version__}, CUDA build {torch.version.cuda}); run where a GPU "
                              f"is visible, or use experiment.device=cpu (or auto: cuda only when available)")
+        if self.device in ("auto", "cpu", "cuda"):
+            try:
+                check_dtype_supported(parse_dtype(self.dtype), self.device_type)
+            except ValueError as err:
+                raise ValueError(f"experiment.{err}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
 
     @property
     def device_type(self) -> str:

@@ -1,8 +1,9 @@
 """Entry point of an RL run: `python -m rl.train [group=option ...] [key=value ...] [resume=true]`.
 
 Composes `configs/config.yaml` (default `experiment=cpu_demo`; `--help` lists the groups), builds
-the policy, the rollout engine (its own copy of the weights, refreshed every iteration), the
-trainer, the rollout driver and the tracker, then runs rl/orchestrator.py's loop. A run directory
+the policy in the run's dtype (`experiment.dtype`), the rollout engine (on the policy's own
+parameter tensors: one copy of the weights, a weight sync is a version bump), the trainer, the
+rollout driver and the tracker, then runs rl/orchestrator.py's loop. A run directory
 holds one run: starting again in a used one without `resume=true` is refused, so nothing is
 overwritten by accident.
 
@@ -10,8 +11,8 @@ Under `torchrun --nproc_per_node N -m rl.train ...` every rank runs this same en
 engine on its share of the prompt groups, one data-parallel trainer over all ranks (rl/ranks.py,
 rl/orchestrator.py); rank 0 alone writes metrics, plots, wandb and the console.
 
-Placement (`experiment.device`, resolved into `Ranks.device`): the policy, the engine's copy (its
-page pool follows it), a resident reference and the trainer's gradient slots live on the rank's
+Placement (`experiment.device`, resolved into `Ranks.device`): the policy (which the engine runs
+on; its page pool follows it), a resident reference and the trainer's gradient slots live on the rank's
 device; the optimizer's FP32 masters and moments, a streamed reference's weights (pinned on CUDA)
 and the host KV pool live in host memory. Initial weights are drawn on the CPU and moved, so a
 CUDA run starts from the same weights as a CPU run.
@@ -31,8 +32,9 @@ from omegaconf import DictConfig
 
 from memory.host_ledger import HostLedger, mem_available_bytes
 from memory.nvme_store import NvmeStore
-from models.checkpoint import load_weights
+from models.checkpoint import checkpoint_dtype, load_weights
 from models.model import HybridLM
+from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig, register_configs, to_run_config
 from rl.checkpoint import check_world_size, latest_info, load_latest
@@ -50,11 +52,33 @@ register_configs()
 
 
 def initial_policy(cfg: RunConfig) -> HybridLM:
+    """The starting weights on the CPU, in the run's dtype (experiment.dtype): the checkpoint's, or a
+    seeded random init drawn in FP32 and then cast (so fp32 and bf16 runs start from the same draw)."""
     model = HybridLM(cfg.model)
     if cfg.experiment.checkpoint is not None:
         load_weights(model, cfg.experiment.checkpoint, assign=False)
-        return model
-    return model.init_weights(seed=cfg.seed, std=cfg.experiment.init_std)
+    else:
+        model.init_weights(seed=cfg.seed, std=cfg.experiment.init_std)
+    return cast_parameters(model, cfg.experiment.torch_dtype)
+
+
+def check_checkpoint_dtypes(cfg: RunConfig, resume_path: Path | None) -> None:
+    """Refuse, before anything is built or written, a start checkpoint (experiment.checkpoint) or a run
+    checkpoint to resume whose weights' dtype is not experiment.dtype."""
+    want = cfg.experiment.torch_dtype
+    if cfg.experiment.checkpoint is not None:
+        have = checkpoint_dtype(cfg.experiment.checkpoint)
+        if have is not None and have != want:
+            raise ValueError(f"experiment.checkpoint={cfg.experiment.checkpoint!r} holds {have} weights but "
+                             f"experiment.dtype={cfg.experiment.dtype!r} ({want}); set experiment.dtype to the "
+                             f"checkpoint's ({dtype_name(have) if have in DTYPES.values() else have}) or convert it")
+    if resume_path is not None:
+        meta = json.loads((resume_path / "trainer.json").read_text())
+        saved = meta.get("dtype", "fp32")  # written before the dtype knob existed: fp32
+        if saved != cfg.experiment.dtype:
+            raise ValueError(f"run_dir {str(cfg.run_dir)!r} was trained with experiment.dtype={saved!r}; resuming it "
+                             f"with experiment.dtype={cfg.experiment.dtype!r} is refused (its optimizer state and "
+                             f"weights are those of a {saved} run): pass experiment.dtype={saved}")
 
 
 def host_budget_bytes(cfg: RunConfig, ranks: Ranks) -> int:
@@ -65,16 +89,22 @@ def host_budget_bytes(cfg: RunConfig, ranks: Ranks) -> int:
     return node // ranks.local_world
 
 
-def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> LoopParts:
-    """The loop's parts for this rank, on `ranks.device` (see the module docstring)."""
+def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engine_copy: bool = False) -> LoopParts:
+    """The loop's parts for this rank, on `ranks.device` (see the module docstring). `engine_copy`
+    gives the engine a second copy of the weights, refreshed by a state-dict copy at every sync (the
+    layout before the engine shared the policy's tensors; tests compare the two)."""
     device = ranks.device
     torch.manual_seed(cfg.seed)
     policy = initial_policy(cfg).to(device)  # the same weights on every rank: the seed is the run's
-    with torch.device(device):  # built where it runs (its random init is overwritten at once)
-        engine_model = HybridLM(cfg.model)
-    engine_model.load_state_dict(policy.state_dict())
+    if engine_copy:
+        with torch.device(device):  # built where it runs (its random init is overwritten at once)
+            engine_model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
+        engine_model.load_state_dict(policy.state_dict())
+    else:
+        engine_model = policy  # one copy of the weights: the engine runs on the trainer's parameters
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
     engine = Engine(engine_model, EngineConfig(
+        kda_state_dtype=cfg.rollout.kda_state_dtype,
         max_model_len=cfg.rollout.max_model_len, pool_bytes=cfg.memory.pool_mb << 20,
         max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
         seed=cfg.seed, show_progress=False, host_pool_bytes=cfg.memory.host_pool_mb << 20,
@@ -99,7 +129,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks()) -> Lo
     store = NvmeStore(run_dir / cfg.memory.spill_dir) if cfg.memory.spill_dir is not None else None
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
-    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU
+    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU, in the run's dtype
     if ref is not None and cfg.memory.reference == "stream":
         # Host copies per VPP chunk, streamed through the trainer's idle gradient slots (on their
         # device); the CPU model built above is dropped here.
@@ -148,6 +178,9 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
     if info is not None:
         check_world_size(info, ranks.world, run_dir / "checkpoints")
     last = info["iteration"] if info is not None else None
+    checkpoints = run_dir / "checkpoints"
+    check_checkpoint_dtypes(cfg, checkpoints / (checkpoints / "latest").read_text().strip()
+                            if cfg.resume and last is not None else None)
     parts = build(cfg, resume_from=last if cfg.resume else None, ranks=ranks)
     parts.tracker.console.print(f"device {ranks.device} (experiment.device={cfg.experiment.device}), "
                                 f"{ranks.world} rank{'s' if ranks.world > 1 else ''}")

@@ -115,9 +115,11 @@ class ChunkedModel:
         def mixer() -> PackedMixer:
             return packed
 
-        # Forward without a graph, keeping only each chunk's input.
+        # Forward without a graph, keeping only each chunk's input. Unfused (models/fused.py), as the
+        # recompute under autograd is: the chunk inputs must be exactly what a plain forward makes
+        # (in bf16 the fused projections round differently).
         inputs = []
-        with torch.no_grad():
+        with torch.no_grad(), unfused():
             hidden = self.model.model.embed_tokens(token_ids)  # [N, D]
             for c in range(len(self.specs)):
                 inputs.append(hidden)

@@ -5,13 +5,15 @@ import torch
 import torch.distributed as dist
 
 
-def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens: int | None = None) -> None:
+def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens: int | None = None,
+        dtype: str = "fp32") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
 
+        from models.precision import cast_parameters, parse_dtype
         from tests.trainer.test_step import OPT, make_batch, make_model
         from trainer.step import Trainer, TrainerConfig
 
@@ -24,13 +26,14 @@ def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens:
         total = weights.numel()  # the global token count: rank losses sum to the global loss
         # Process groups come from megatron-core (DP = 2 here; TP/PP = 1), as in a real run.
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        trainer = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT),
+        trainer = Trainer(cast_parameters(make_model(), parse_dtype(dtype)), TrainerConfig(num_chunks=4, optimizer=OPT),
                           group=parallel_state.get_data_parallel_group())
         w = weights[rows]
         metrics = trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
                                      lambda lp, rows: -(lp * w[rows]).sum() / total,
                                      micro_batch_tokens=micro_batch_tokens)
-        torch.save({"state": trainer.model.state_dict(), "metrics": metrics},
+        torch.save({"state": trainer.model.state_dict(), "metrics": metrics,
+                    "masters": [m.detach().clone() for m in trainer.optimizer.masters]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         from megatron.core import parallel_state
