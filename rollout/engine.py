@@ -26,7 +26,9 @@ from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
 from memory.layout import CacheLayout
 from memory.page_pool import OutOfPages, PagePool
+from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
+from models.precision import parse_dtype
 from rollout.cache_manager import CacheManager
 from rollout.kv_eviction import KVBudgetConfig, KVEvictor
 from rollout.model_runner import ModelRunner
@@ -68,8 +70,15 @@ class EngineConfig:
     kv_budget: KVBudgetConfig | None = None
     """Token eviction for the MLA layers (rollout/kv_eviction.py: H2O or InfiniGen): at most
     `budget_tokens` MLA slots per sequence on the device; None = full KV (the default)."""
+    kda_state_dtype: str = "fp32"
+    """Element type of the KDA state pages ("fp32" | "bf16"), independent of the MLA cache, which
+    takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
 
     def __post_init__(self) -> None:
+        try:
+            parse_dtype(self.kda_state_dtype)
+        except ValueError as err:
+            raise ValueError(f"kda_state_{err}") from None
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len}, expected >= 2")
         if self.num_pages is not None and self.num_pages < 1:
@@ -82,8 +91,9 @@ class Engine:
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model = model.eval()
-        dtype = next(model.parameters()).dtype
+        dtype = model.output_weight.dtype  # the MLA cache holds latents in the model's dtype
         self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype,
+                                            state_dtype=parse_dtype(config.kda_state_dtype),
                                             block_tokens=config.block_tokens)
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
@@ -215,7 +225,10 @@ class Engine:
                 rows += [row] * len(children)
             if seqs:
                 if len(rows) != logits.shape[0]:
-                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                    # Forks repeat their parent's row (rows ascend): sliced, as an index tensor
+                    # would be one more host-to-device copy.
+                    logits = torch.cat([logits[r:r + 1].expand(len(list(run)), -1)
+                                        for r, run in itertools.groupby(rows)])
                 tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
                 for seq, token, logprob in zip(seqs, tokens, logprobs):
                     self._append(seq, token, logprob)
@@ -298,6 +311,7 @@ class Engine:
             self.cache.prefix.sleep()
         self.pool.release()
         self.runner.invalidate_views()
+        drop_fused(self.model)  # the CPU fused projections are rebuilt at the next step: no copy while asleep
 
     def wake(self) -> None:
         self.pool.reacquire()
@@ -347,15 +361,31 @@ class Engine:
         self._parked.clear()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Install new policy weights (our parameter names, strict) and tag later tokens with `version`."""
+        """Copy external policy weights into the engine's model (our parameter names, strict) and tag
+        later tokens with `version`. An engine built on the trainer's own model needs no copy: its
+        weight sync is `weights_updated(version)`."""
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
         self.model.load_state_dict(state_dict, strict=True)
+        self.weights_updated(version)
+
+    def weights_updated(self, version: int) -> None:
+        """The model's parameters changed in place (the trainer's step, or `load_weights`): tag later
+        tokens with `version` and refresh what derives from the weights. Fused projection copies
+        (CPU) key on the parameters' version counters and rebuild by themselves; InfiniGen's partial
+        keys are recalibrated; prefixes cached under older weights stop matching."""
+        if version < self.policy_version:
+            raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
         self.policy_version = version
         if self.evictor is not None and self.evictor.predictor is not None:
             self.evictor.predictor.calibrate(self.model)  # the partial keys follow the weights
         if self.cache.prefix is not None:
             self.cache.prefix.set_version(version)  # old prefixes were computed by other weights
+
+    def derived_weight_bytes(self) -> int:
+        """Bytes of weight copies the engine holds besides the model's parameters: the fused
+        projections the CPU path caches while generating (dropped by `sleep`); 0 on CUDA."""
+        return fused_bytes(self.model)
 
     def check_integrity(self) -> None:
         seqs = [s for r in self.requests.values() for s in r.seqs]
