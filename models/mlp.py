@@ -6,8 +6,14 @@ only); experts are split into groups, each group scored by the sum of its top-2 
 the top `topk_group` groups are kept; top-k experts among them; weights are the plain sigmoid
 scores of the chosen experts, renormalised (optional), times routed_scaling_factor. Shared
 experts run on every token.
+
+Routed experts run dense (every expert on every token) when there are few, else grouped: the
+(token, slot) rows sorted by expert, three grouped matmuls, a weighted scatter back; no step of
+it reads the routing on the host, so a GPU never waits in the middle of an MoE layer.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +35,26 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+EXPERT_IMPLS = ("auto", "dense", "grouped", "padded", "loop")
+"""`Experts.impl` values. auto: dense when `runs_dense`, else grouped. dense: every expert on every
+token. grouped: rows sorted by expert, three grouped matmuls (`torch._grouped_mm` where it runs
+without a host sync, else the padded form). padded: the grouped path with its static-shape blocked
+batched matmul forced. loop: `experts_loop`, the plain reference (one host sync per expert)."""
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I].
 
     Stacked so that all experts run in a few batched matmuls; the checkpoint keeps one tensor per
-    expert (`experts.N.w1.weight`), see models/checkpoint.py.
+    expert (`experts.N.w1.weight`), see models/checkpoint.py. `impl` (one of EXPERT_IMPLS, a plain
+    attribute that tests and benchmarks may set) picks the path; every path computes the same sum.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, impl: str = "auto") -> None:
         super().__init__()
+        if impl not in EXPERT_IMPLS:
+            raise ValueError(f"impl={impl!r}, expected one of {EXPERT_IMPLS}")
+        self.impl = impl
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -48,28 +65,161 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [N, D]; weights, ids: [N, top_k] -> sum_k weights * expert_ids(x): [N, D]."""
-        num_experts, top_k = self.w1.shape[0], ids.shape[1]
-        if self.runs_dense(top_k):
-            # Few experts: run every expert on every token (at most 4x the routed FLOPs), as two
-            # matmuls against all experts' weights at once, and fold the routing weights (zero for
-            # unchosen experts) in before the down projection: ~8 ops instead of ~10 per expert.
-            num_tokens, inter = x.shape[0], self.w1.shape[1]
-            gate = F.linear(x, self.w1.reshape(-1, self.w1.shape[-1]))  # [N, E*I]
-            up = F.linear(x, self.w3.reshape(-1, self.w3.shape[-1]))  # [N, E*I]
-            dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
-            dense.scatter_(1, ids, weights)  # [N, E] routing weights
-            h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
-            down = self.w2.permute(1, 0, 2).reshape(self.w2.shape[1], -1)  # [D, E*I]
-            return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            xe = x[token]
-            y = F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
-            # index_put_ with accumulate rather than index_add_: the same sum (a token meets each
-            # expert once), and index_add_ is orders of magnitude slower on a busy 2-core CPU.
-            out.index_put_((token,), (y * weights[token, slot, None]).to(out.dtype), accumulate=True)
+        impl = self.impl
+        if impl == "auto":
+            impl = "dense" if self.runs_dense(ids.shape[1]) else "grouped"
+        if impl == "dense":
+            return self._dense(x, weights, ids)
+        if impl == "loop":
+            return experts_loop(x, weights, ids, self.w1, self.w2, self.w3)
+        return experts_grouped(x, weights, ids, self.w1, self.w2, self.w3, padded=impl == "padded")
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # Few experts: run every expert on every token (at most 4x the routed FLOPs), as two
+        # matmuls against all experts' weights at once, and fold the routing weights (zero for
+        # unchosen experts) in before the down projection: ~8 ops instead of ~10 per expert.
+        (num_tokens, _), (num_experts, inter, _) = x.shape, self.w1.shape
+        gate = F.linear(x, self.w1.reshape(-1, self.w1.shape[-1]))  # [N, E*I]
+        up = F.linear(x, self.w3.reshape(-1, self.w3.shape[-1]))  # [N, E*I]
+        dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)  # [N, E] routing weights
+        h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
+        down = self.w2.permute(1, 0, 2).reshape(self.w2.shape[1], -1)  # [D, E*I]
+        return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
+
+
+def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor) -> torch.Tensor:
+    """The plain reference: one gather, SwiGLU and weighted scatter per expert present.
+    x: [N, D]; weights, ids: [N, top_k]; w1, w3: [E, I, D]; w2: [E, D, I] -> [N, D].
+    `ids.unique().tolist()` and `torch.where` read the routing on the host: a sync per expert on a GPU."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        xe = x[token]
+        y = F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+        # index_put_ with accumulate rather than index_add_: the same sum (a token meets each
+        # expert once), and index_add_ is orders of magnitude slower on a busy 2-core CPU.
+        out.index_put_((token,), (y * weights[token, slot, None]).to(out.dtype), accumulate=True)
+    return out
+
+
+def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    w3: torch.Tensor, *, padded: bool = False) -> torch.Tensor:
+    """`experts_loop` without reading the routing on the host. The M = N * top_k (token, slot) rows
+    are sorted by expert (stably: tokens ascending within an expert, the loop's order), the three
+    projections run as grouped matmuls over the sorted rows (`torch._grouped_mm` where
+    `grouped_mm_usable`, else `_padded_swiglu`; `padded=True` forces the latter), and the weighted
+    rows are summed back into their tokens. Every shape follows from N, top_k and E alone, so no op
+    waits for the device. Shapes as `experts_loop`; differentiable in x, weights, w1, w2, w3."""
+    num_tokens, top_k = ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
         return out
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)  # [M] each
+    token = order // top_k  # [M] the token of each sorted row
+    # Rows up to the end of each expert, from the sorted ids: torch.bincount would copy the ids' min
+    # and max to the host on CUDA (to size its output), searchsorted reads nothing back.
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, w1.shape[0] + 1, device=ids.device))  # [E]
+    if not padded and grouped_mm_usable(x, w1):
+        offs = ends.to(torch.int32)
+        h = x[token]  # [M, D]
+        h = F.silu(torch._grouped_mm(h, w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+            h, w3.transpose(1, 2), offs=offs)  # [M, I]
+        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [M, D]
+    else:
+        y = _padded_swiglu(x, token, sorted_ids, ends, w1, w2, w3)
+    scale = weights.reshape(-1)[order, None]  # [M, 1] routing weight of each row
+    # Gathers by advanced indexing (backward: index_put_ with accumulate) and index_put_ with
+    # accumulate rather than index_select / index_add_: see experts_loop.
+    return out.index_put_((token,), (y * scale).to(out.dtype), accumulate=True)
+
+
+def _padded_swiglu(x: torch.Tensor, token: torch.Tensor, sorted_ids: torch.Tensor, ends: torch.Tensor,
+                   w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the sorted rows (token [M], their experts sorted_ids [M], cumulative counts ends [E])
+    as batched matmuls over blocks of B rows that each belong to one expert (the block-sparse layout
+    of MegaBlocks, Gale et al. 2022, in plain torch ops): each expert's rows start a fresh block.
+    Static shapes: at most nb = (M + min(E, M) * (B - 1)) // B blocks are used whatever the routing;
+    with B = ceil(M / E), the mean load, that is under 2E blocks of at most 2M rows, so the FLOPs
+    stay within 2x the routed ones (the dense path's are E / top_k x) and each projection gathers
+    under 2E expert matrices (kept for backward: the price of not knowing the counts). A capacity
+    of N rows per expert, [E, N, D], is static too but costs the dense path's FLOPs. Padding rows
+    and unused trailing blocks compute on token 0's row and are dropped. -> [M, D] in sorted order."""
+    num_rows, num_experts = token.shape[0], w1.shape[0]
+    block = -(-num_rows // num_experts)
+    num_blocks = (num_rows + min(num_experts, num_rows) * (block - 1)) // block
+    device = token.device
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+    expert_blocks = (counts + block - 1) // block  # [E]
+    block_ends = torch.cumsum(expert_blocks, 0)  # [E]
+    rank = torch.arange(num_rows, device=device) - (ends - counts).index_select(0, sorted_ids)  # [M] row in its expert
+    dest = ((block_ends - expert_blocks) * block).index_select(0, sorted_ids) + rank  # [M] padded row
+    source = torch.zeros(num_blocks * block, dtype=torch.long, device=device).index_copy_(0, dest, token)  # [nb*B]
+    block_expert = torch.searchsorted(block_ends, torch.arange(num_blocks, device=device), right=True
+                                      ).clamp_(max=num_experts - 1)  # [nb]
+
+    def project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [nb, B, in] -> [nb, B, out]
+        return torch.bmm(h, w[block_expert].transpose(1, 2))
+
+    h = x[source].view(num_blocks, block, -1)  # [nb, B, D]
+    h = F.silu(project(h, w1)) * project(h, w3)  # [nb, B, I]
+    return project(h, w2).view(num_blocks * block, -1)[dest]  # [M, D]
+
+
+_GROUPED_MM: dict[tuple, bool] = {}
+"""grouped_mm_usable's verdicts by (device type, dtype) and by unaligned shape, each warned once."""
+
+
+def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` may run the projections of x [M, D] by w [E, I, D]: dims of
+    16-byte multiples (its kernels' stride rule) and a device/dtype it runs without a host sync and
+    right (`_grouped_mm_problem`, probed once). Says why not once per case (warnings.warn)."""
+    align = 16 // x.element_size()
+    key: tuple = (x.device.type, x.dtype)
+    if x.dtype != w.dtype or w.shape[1] % align or w.shape[2] % align:
+        key, problem = key + tuple(w.shape[1:]), (f"weights {w.dtype} [{w.shape[1]}, {w.shape[2]}] for input {x.dtype}: "
+                                                  f"needs one dtype and dims that are multiples of {align}")
+    elif key not in _GROUPED_MM:
+        problem = _grouped_mm_problem(x.device, x.dtype)
+    if key not in _GROUPED_MM:
+        if problem is not None:
+            warnings.warn(f"MoE experts: torch._grouped_mm not used ({problem}); running the padded batched "
+                          f"matmul (models/mlp.py _padded_swiglu) instead", stacklevel=3)
+        _GROUPED_MM[key] = problem is None
+    return _GROUPED_MM[key]
+
+
+def _grouped_mm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why torch._grouped_mm should not run experts on this device and dtype, or None. On CUDA its
+    grouped kernel covers bf16 on SM90/SM100; every other case (and every CPU call) runs a loop of
+    matmuls that first copies the offsets to the host: free on a CPU, a sync per call on a GPU.
+    The probe also checks forward and backward against per-group matmuls at uneven group sizes."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if dtype != torch.bfloat16 or major not in (9, 10):
+            return (f"{dtype} on SM{major}{minor}: its grouped kernel is bf16 on SM90/SM100 only, otherwise it "
+                    f"loops over the groups after copying the offsets to the host, a sync per call")
+    elif device.type != "cpu":
+        return f"not known to run without a host sync on {device.type}"
+    gen = torch.Generator().manual_seed(0)
+    starts, ends = [0, 3, 3, 8], [3, 3, 8, 17]  # an empty group and uneven ones
+    with torch.inference_mode(False), torch.enable_grad():
+        a = torch.randn(17, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(4, 8, 16, generator=gen).to(device, dtype).requires_grad_()
+        grad = torch.randn(17, 8, generator=gen).to(device, dtype)
+        try:
+            out = torch._grouped_mm(a, w.transpose(1, 2), offs=torch.tensor(ends, dtype=torch.int32, device=device))
+            got = (out, *torch.autograd.grad(out, (a, w), grad))
+        except RuntimeError as err:
+            return f"it failed on {device.type} {dtype}: {err}"
+        ref = torch.cat([a[s:e] @ w[g].T for g, (s, e) in enumerate(zip(starts, ends))])
+        want = (ref, *torch.autograd.grad(ref, (a, w), grad))
+    if not all(((p.float() - q.float()).norm() <= 1e-2 * q.float().norm()).item() for p, q in zip(got, want)):
+        return f"it disagrees with per-group matmuls on {device.type} {dtype}"
+    return None
 
 
 class Router(nn.Module):
@@ -110,8 +260,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
         experts, shared = self.experts, self.shared_experts
-        if (use_fused(x) and shared is not None and experts.runs_dense(self.gate.top_k)
-                and shared.gate_proj.weight.shape[0] % experts.w1.shape[1] == 0):
+        if (use_fused(x) and shared is not None and experts.impl in ("auto", "dense")
+                and experts.runs_dense(self.gate.top_k) and shared.gate_proj.weight.shape[0] % experts.w1.shape[1] == 0):
             return self._fused_dense(x)
         weights, ids = self.gate(x)
         out = experts(x, weights, ids)
