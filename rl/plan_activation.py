@@ -1,0 +1,188 @@
+"""Activation bytes of a training step: measured in a run, and predicted on the meta device.
+
+What "activation peak" means here (the same quantity on both sides): the most bytes of tensors
+that autograd saves for backward that are alive at once during the step, each storage counted
+once (`SavedTensorMeter`: a saved-tensor pack hook records a storage the first time it is saved,
+`weakref.finalize` forgets it when the storage is freed). The trainer recomputes one VPP chunk at
+a time (trainer/chunks.py), so this is about one chunk's graph for the largest micro-batch. Not
+in it: the chunk-boundary hidden states kept by the no-grad forward ([N, D] per chunk), gradients
+of activations in flight during backward, and op temporaries (the [chunk_len, vocab] logits of
+the head are recomputed inside a checkpoint, so they are temporaries too). On CUDA the run also
+records `torch.cuda.max_memory_allocated` deltas, which include all of those.
+
+The prediction (`activation_peak_bytes`) runs the trainer's own `ChunkedModel.forward_backward`
+on a `HybridLM` built on the meta device (no storage: the 48B shape costs nothing) under the same
+meter, so every layer's saved tensors come from the code that will run, not from a formula.
+Meta tensors carry no values, and a few ops need some: token positions (`repeat_interleave`),
+expert batches of a routed MoE (`unique`, `where`), `.tolist()`. `_IndexShadow` keeps a real CPU
+copy of every tensor computed only from known values (python lists, other shadowed tensors: the
+small integer index tensors) and runs those ops on the copies. Router top-k indices have no
+values on meta: they are shadowed as a balanced assignment (row n takes experts n*k .. n*k+k-1
+mod E). The routed path's bytes depend on how many token-expert pairs there are (N * k), not on
+how they split, so the figure holds for any routing that reaches every expert.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from models.config import ModelConfig
+from models.model import HybridLM
+from trainer.chunks import ChunkedModel
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of the storages autograd saves for backward (each storage once).
+
+        meter = SavedTensorMeter()
+        with meter.hooks():
+            loss.backward() ...          # meter.peak: the largest live total seen
+
+    Works for any device, meta included (storages are keyed by their C++ object, not their data
+    pointer). Hooks are thread-local and nest: inside a checkpointed region the checkpoint's own
+    hooks apply, which save no activation."""
+
+    def __init__(self) -> None:
+        self.live, self.peak = 0, 0
+        self._seen: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._seen:
+            nbytes = storage.nbytes()
+            self._seen[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return t
+
+    def _free(self, key: int) -> None:
+        self.live -= self._seen.pop(key, 0)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+class _FromData(TorchFunctionMode):
+    """`torch.tensor(values, device="meta")` does not pass through dispatch modes: give its result
+    the values it was built from (the shadow's entry point for python lists)."""
+
+    def __init__(self, shadow: "_IndexShadow") -> None:
+        super().__init__()
+        self.shadow = shadow
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (func in (torch.tensor, torch.as_tensor) and isinstance(out, torch.Tensor) and out.device.type == "meta"
+                and not isinstance(args[0], torch.Tensor)):
+            self.shadow.values[out] = func(*args, **{**kwargs, "device": "cpu"})
+        return out
+
+
+class _IndexShadow(TorchDispatchMode):
+    """Meta execution with real values where values are known (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values = WeakTensorKeyDictionary()  # meta tensor -> its real CPU twin
+
+    def _value(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.device.type != "meta":
+            return x
+        return self.values.get(x)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:  # .item(), int(), .tolist() element
+            value = self._value(args[0])
+            if value is None:
+                raise RuntimeError(f"activation probe: a {args[0].dtype} {tuple(args[0].shape)} value is needed but "
+                                   f"was computed from weights or activations (meta tensors have none)")
+            return value.item()
+        leaves, _ = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        known = all(self._value(t) is not None for t in tensors)
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # data-dependent output shape on meta
+            if not known:
+                raise
+            out = None
+        if func is aten.topk.default and not known:
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            self._balanced_indices(out[1], args[0].shape[dim])
+            return out
+        if not known:
+            self._forget_mutated(func, args)
+            return out
+        real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            return real  # an explicit copy to the host: the caller wants the values
+        if out is None:
+            out = tree_map(lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta")
+                           if isinstance(r, torch.Tensor) else r, real)
+        small = bool(tensors) or all(not r.is_floating_point() for r in tree_flatten(real)[0]
+                                     if isinstance(r, torch.Tensor))
+        if small:  # factories of floats (zeros(N, D)) stay meta only
+            for o, r in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+                if isinstance(o, torch.Tensor) and o.device.type == "meta":
+                    self.values[o] = r
+        return out
+
+    def _real(self, x):
+        if isinstance(x, torch.Tensor):
+            return self._value(x)
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        return x
+
+    def _balanced_indices(self, ids: torch.Tensor, width: int) -> None:
+        """Shadow top-k indices [..., k] (over a dimension of `width` entries) as a balanced
+        assignment: row n takes n*k .. n*k+k-1 mod width (distinct within a row)."""
+        rows, k = ids.shape[:-1].numel(), ids.shape[-1]
+        self.values[ids] = (torch.arange(rows * k, dtype=ids.dtype) % width).view(ids.shape)
+
+    def _forget_mutated(self, func, args) -> None:
+        """An op with unknown inputs that writes into a shadowed tensor makes its copy stale."""
+        for arg, x in zip(func._schema.arguments, args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(x, torch.Tensor):
+                self.values.pop(x, None)
+
+
+def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
+                          dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024) -> int:
+    """The saved-tensor peak (`SavedTensorMeter`) of one training step over `micro_batches` (each a
+    list of sequence lengths, run one after the other as the trainer does), for a model of
+    `model_config` with parameters in `dtype` (models/precision.py's rule: a few stay FP32), split
+    into `num_chunks` VPP chunks. Runs on the meta device: allocates nothing of the model's size."""
+    from models.precision import cast_parameters
+
+    with torch.device("meta"):
+        model = HybridLM(model_config)
+    cast_parameters(model, dtype)
+    chunked = ChunkedModel(model, num_chunks)
+    meter, shadow = SavedTensorMeter(), _IndexShadow()
+    done: set[tuple[int, ...]] = set()
+    for lens in micro_batches:
+        key = tuple(sorted(lens))  # buckets and padding depend on the multiset of lengths only
+        if key in done:
+            continue
+        done.add(key)
+        num_tokens = sum(lens)
+        with _FromData(shadow), shadow, meter.hooks():
+            tokens = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
+            targets = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
+            chunked.forward_backward(tokens, list(lens), targets, lambda logp: -logp.sum(),
+                                     logprob_chunk_len=logprob_chunk_len)
+        for p in model.parameters():
+            p.grad = None
+    return meter.peak

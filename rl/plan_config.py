@@ -1,0 +1,58 @@
+"""The memory planner's own config: the cluster it plans for, and what it assumes of the workload.
+
+`ClusterConfig` is the Hydra group `cluster` (`configs/cluster/<preset>.yaml`): `python -m rl.plan
+cluster=h200x8 cluster.nodes=2 ...`. Capacities are what a run can use: a GPU's memory as torch
+sees it (less the CUDA context), a node's DRAM before the host ledger's 10% reserve (the planner
+applies it, as rl/train.py does, unless memory.host_budget_mb sets the node's budget).
+`PlanOptions` (`plan.*` overrides) holds the workload figures the run config does not fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    name: str = "cpu"
+    """Preset name, for the printout."""
+    gpus_per_node: int = 1
+    """Ranks per node (one GPU each; data-parallel ranks of the run)."""
+    nodes: int = 1
+    """Nodes; the run's world size is gpus_per_node * nodes."""
+    gpu_memory_gib: float = 16.0
+    """Device memory one rank may use, GiB (a GPU's capacity less the CUDA context and NCCL buffers)."""
+    host_dram_gib: float = 16.0
+    """DRAM of one node, GiB (the host ledger keeps 10% of it in reserve)."""
+    nvme_gib: float = 100.0
+    """NVMe capacity of one node for memory.spill_dir, GiB."""
+    nvme_gb_s: float = 1.0
+    """NVMe bandwidth of one node, GB/s (10^9 bytes), shared by its ranks: spill / restore seconds."""
+    device_is_host: bool = False
+    """The "device" is host memory (experiment.device=cpu): device and host tiers share host_dram_gib."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name}={getattr(self, name)}, expected >= 1")
+        for name in ("gpu_memory_gib", "host_dram_gib", "nvme_gib", "nvme_gb_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster.{name}={getattr(self, name)}, expected > 0")
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    seq_len: int | None = None
+    """Tokens of one trajectory (prompt + answers) the train phase sees; null = rollout.max_model_len
+    (the worst case). Each becomes a trained sequence of seq_len - 1 tokens."""
+    png: str | None = None
+    """Where to draw the planned memory timeline (the run's memory.png); null = no picture."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"plan.seq_len={self.seq_len}, expected >= 2 (a trained token needs a prefix)")
