@@ -56,9 +56,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above).
 
     Stochastic rows draw one uniform number each from their own generator and invert their CDF in
-    one batched search (the same draw whatever else is in the batch); only rows that truncate
-    (top-k / top-p) are handled one by one. Everything is computed on `logits.device`; the
-    generators are CPU generators (their draws are copied over).
+    one batched search (the same draw whatever else is in the batch); rows that truncate (top-k /
+    top-p) are filtered together by `truncate_rows`. Everything is computed on `logits.device`; the
+    generators are CPU generators (their draws are copied over), and tokens and logprobs come back
+    to the host in one copy.
     """
     logits = logits.float()
     device = logits.device
@@ -70,10 +71,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if rows:
         index = torch.tensor(rows, device=device)  # [S]
         kept = logp.index_select(0, index)  # [S, vocab]
-        for j, b in enumerate(rows):
-            p = params[b]
-            if p.top_k or p.top_p < 1.0:
-                kept[j] = truncate(kept[j], p.top_k, p.top_p)
+        cut = [j for j, b in enumerate(rows) if params[b].top_k or params[b].top_p < 1.0]
+        if cut:
+            top_k, top_p = [params[rows[j]].top_k for j in cut], [params[rows[j]].top_p for j in cut]
+            if len(cut) == len(rows):
+                kept = truncate_rows(kept, top_k, top_p)
+            else:
+                sub = torch.tensor(cut, device=device)  # [T] rows of kept that truncate
+                kept.index_copy_(0, sub, truncate_rows(kept.index_select(0, sub), top_k, top_p))
         cdf = kept.exp().cumsum(dim=-1)  # [S, vocab]; dropped tokens add nothing
         # Drawn on the host from each request's CPU generator (the numbers a seed gives do not
         # depend on where the model runs), then moved: one copy per step.
@@ -82,12 +87,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         # side="right": the first token whose CDF exceeds u * total, never a zero-probability one.
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0]
         tokens[index] = drawn.clamp_(max=logits.shape[-1] - 1)
-    return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
+    # One device-to-host copy for both: float64 holds every token id and every float32 logprob exactly.
+    host_tokens, host_logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
+    return [int(t) for t in host_tokens], host_logprobs
+
+
+def truncate_rows(logp: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`truncate` of every row at once: log-probs [R, vocab] with row r's top_k[r] (0 = off) and
+    top_p[r] (1 = off) -> [R, vocab], dropped tokens -inf; equal to `truncate` row by row, ties
+    included (on CPU the batched sort orders equal values as the one-row sort does: tested).
+    Top-k: one topk of the largest k, each row's threshold its own k-th value. Top-p: one sort of
+    the block, each row's mask from its cumulative mass; rows that keep everything come back as they
+    went in (their sorted values scattered back). Returns a new tensor."""
+    vocab = logp.shape[-1]
+    device = logp.device
+    k = [kr if 0 < kr < vocab else 0 for kr in top_k]  # 0: this row keeps all (as truncate's guard)
+    if max(k) > 0:
+        k_rows = torch.tensor(k, device=device)[:, None]  # [R, 1]
+        values = logp.topk(max(k), dim=-1).values  # [R, max k], descending
+        kth = values.gather(1, (k_rows - 1).clamp_(min=0)).masked_fill_(k_rows == 0, float("-inf"))  # [R, 1]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if min(top_p) < 1.0:
+        p = torch.tensor(top_p, device=device)[:, None]  # [R, 1] float32, as truncate's comparison
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logp, dim=-1)  # renormalised over what top-k kept
+        drop = ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)  # keep the smallest prefix reaching top_p
+        logp = logp.scatter(1, order, sorted_logp.masked_fill(drop, float("-inf")))
+    return logp
 
 
 def truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Top-k then top-p filtering of log-probs [vocab]: dropped tokens get -inf (not renormalised;
-    multinomial normalises)."""
+    multinomial normalises). The one-row reference of `truncate_rows`."""
     if top_k > 0 and top_k < logp.numel():
         kth = logp.topk(top_k).values[-1]
         logp = logp.masked_fill(logp < kth, float("-inf"))

@@ -1,10 +1,12 @@
-"""The sampler: greedy, temperature, top-k / top-p, per-request seeds, the logprob convention."""
+"""The sampler: greedy, temperature, top-k / top-p, per-request seeds, the logprob convention, batched
+truncation against the per-row reference, one host copy per step."""
 import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from rollout.sampling import SamplingParams, sample, truncate
+from rollout.sampling import SamplingParams, sample, truncate, truncate_rows
 
 
 def draws(logits, params, n, seed0=0):
@@ -42,3 +44,79 @@ def test_greedy_rows_and_the_logprob_convention():
     assert math.isclose(logprobs[0], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
     # temperature-adjusted, before truncation: log softmax(logits / 2) of the drawn token
     assert math.isclose(logprobs[1], torch.log_softmax(logits[1] / 2.0, -1)[0].item(), rel_tol=1e-6)
+
+
+def mixed_rows(num_rows: int, vocab: int, seed: int, ties: bool):
+    """Random logits [num_rows, vocab] (with ties: few distinct values, so equal log-probs straddle the
+    top-k and top-p cut-offs) and per-row settings mixing top-k, top-p, both and neither."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(-4, 4, (num_rows, vocab), generator=gen).float() * 0.5 if ties
+              else torch.randn(num_rows, vocab, generator=gen) * 3)
+    choice = torch.randint(0, 1000, (num_rows, 2), generator=gen).tolist()
+    top_k = [[0, 1, 3, 17, vocab, vocab + 4][a % 6] for a, _ in choice]
+    top_p = [[1.0, 0.9, 0.5, 0.2, 0.999][b % 5] for _, b in choice]
+    return logits, top_k, top_p
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("vocab", [6, 259, 3001])
+def test_batched_truncation_equals_the_per_row_reference(vocab, ties):
+    logits, top_k, top_p = mixed_rows(24, vocab, seed=vocab, ties=ties)
+    logp = torch.log_softmax(logits / 0.8, dim=-1)
+    got = truncate_rows(logp, top_k, top_p)
+    want = torch.stack([truncate(logp[r], top_k[r], top_p[r]) for r in range(len(top_k))])
+    assert torch.equal(got, want)
+    assert ((got == float("-inf")).sum(-1) > 0).any() and ((got > float("-inf")).sum(-1) > 0).all()
+    keeps_all = [r for r in range(len(top_k)) if top_k[r] in (0, vocab, vocab + 4) and top_p[r] == 1.0]
+    assert keeps_all and torch.equal(got[keeps_all], logp[keeps_all])  # untouched, bit for bit
+
+
+def reference_sample(logits, params, generators):
+    """The sampler row by row with `truncate`: what `sample` must equal, token for token."""
+    tokens, logprobs = [], []
+    for row, p, gen in zip(logits.float(), params, generators):
+        logp = torch.log_softmax(row / (p.temperature if p.temperature > 0 else 1.0), dim=-1)
+        token = int(row.argmax())
+        if p.temperature > 0:
+            cdf = truncate(logp, p.top_k, p.top_p).exp().cumsum(0)
+            u = torch.rand(1, generator=gen)
+            token = min(int(torch.searchsorted(cdf, u * cdf[-1], side="right")), row.shape[0] - 1)
+        tokens.append(token)
+        logprobs.append(float(logp[token]))
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_mixed_batch_samples_as_the_row_by_row_reference(ties):
+    logits, top_k, top_p = mixed_rows(20, 259, seed=5, ties=ties)
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][r % 4], top_k=k, top_p=p)
+              for r, (k, p) in enumerate(zip(top_k, top_p))]
+    tokens, logprobs = sample(logits, params, [torch.Generator().manual_seed(50 + r) for r in range(20)])
+    assert (tokens, logprobs) == reference_sample(logits, params, [torch.Generator().manual_seed(50 + r)
+                                                                   for r in range(20)])
+    assert all(type(t) is int for t in tokens) and all(type(lp) is float for lp in logprobs)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts calls that copy tensor values to the host."""
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero,
+             torch.nonzero, torch.unique, torch.Tensor.unique, torch.masked_select}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS or (func is torch.where and len(args) == 1):
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_copies_tokens_and_logprobs_to_the_host_once():
+    logits, top_k, top_p = mixed_rows(12, 259, seed=9, ties=False)
+    params = [SamplingParams(temperature=[0.0, 1.0, 0.6][r % 3], top_k=k, top_p=p)
+              for r, (k, p) in enumerate(zip(top_k, top_p))]
+    with HostReads() as audit:
+        sample(logits, params, [torch.Generator().manual_seed(r) for r in range(12)])
+    assert audit.calls == ["tolist"]
