@@ -19,7 +19,7 @@ from rl.rollout import Trajectory
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, lookup, rl_loss
 from trainer.ref_stream import StreamedReference
-from trainer.step import Trainer
+from trainer.step import Trainer, micro_batches
 
 
 class PackedBatch:
@@ -76,21 +76,31 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     these, and the trainer sums gradients over micro-batches and ranks, so N ranks that split the
     groups between them take the same step as one rank with all of them (up to fp32 summation
     order). A rank's batch may be empty (no groups this step): it still joins the step's collectives."""
-    total_valid, total_seqs = global_counts if global_counts is not None else (int(batch.mask.sum()),
+    policy_tokens = [sum(t.policy[1:]) for t in batch.trajectories]  # per sequence, from the host lists
+    total_valid, total_seqs = global_counts if global_counts is not None else (sum(policy_tokens),
                                                                                batch.num_sequences)
     total_valid = max(1, total_valid)
     token_level = loss_config.aggregation == "token-mean"
     parts: list[tuple[float, dict[str, float]]] = []  # (policy tokens, rl_loss metrics) per micro-batch
+    # The trainer calls loss_fn once per micro-batch, in the order of `micro_batches`: their layout
+    # ([sequences, longest] padding of the packed rows) is known on the host, so building it needs no
+    # host sync; its index tensors reach the device in one copy per micro-batch.
+    plan = iter(micro_batches(batch.seq_lens, micro_batch_tokens) if batch.num_sequences else [])
 
     def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # rl_loss takes [B, T]; a micro-batch's packed rows are one "sequence" for token-mean,
         # and are split per trajectory (padded) for the per-sequence aggregations.
-        seqs = batch.seq_of_row[rows]
-        uniq, local = torch.unique_consecutive(seqs, return_inverse=True)
-        lens = torch.bincount(local)
-        starts = torch.cumsum(lens, 0) - lens
-        cols = torch.arange(len(rows), device=rows.device) - starts[local]
-        shape = (len(uniq), int(lens.max()))
+        seqs = next(plan)
+        lens = [batch.seq_lens[i] for i in seqs]
+        shape = (len(seqs), max(lens))
+        if sum(lens) != rows.numel():
+            raise RuntimeError(f"micro-batch of sequences {seqs} has {sum(lens)} rows, the trainer passed "
+                               f"{rows.numel()}: policy_update's plan and the trainer's disagree")
+        index = torch.tensor([[j for j, n in enumerate(lens) for _ in range(n)],
+                              [t for n in lens for t in range(n)]], dtype=torch.long)  # [2, n] on the host
+        if rows.device.type == "cuda":
+            index = index.pin_memory()  # a non-blocking copy needs page-locked memory
+        local, cols = index.to(rows.device, non_blocking=True)  # [n] each: padded row and column of each row
 
         def pad(x: torch.Tensor, fill=0.0) -> torch.Tensor:
             out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
@@ -103,16 +113,18 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
                                 behaviour_logp=pad(batch.behaviour[rows]),
                                 ref_logp=None if ref_logp is None else pad(ref_logp[rows]))
         # Gradients are summed over micro-batches: weight this one by its share of the aggregate.
-        share = (int(mask.sum()) / total_valid) if token_level else len(uniq) / max(1, total_seqs)
-        parts.append((float(mask.sum()), metrics))
+        valid = sum(policy_tokens[i] for i in seqs)
+        share = (valid / total_valid) if token_level else len(seqs) / max(1, total_seqs)
+        parts.append((float(valid), metrics))
         return loss * share
 
     metrics = trainer.train_step(batch.token_ids, batch.seq_lens, batch.targets, loss_fn, micro_batch_tokens)
     loss_metrics = combine_micro_batches(parts)
-    stale = batch.versions[batch.mask]
+    versions = [v for t in batch.trajectories for v, p in zip(t.versions[1:], t.policy[1:]) if p]  # host lists
+    newest = max(versions, default=0)
     return {**{f"loss/{k}": v for k, v in loss_metrics.items()}, **metrics,
-            "train_tokens": float(batch.mask.sum()), "train_sequences": float(batch.num_sequences),
-            "stale_token_frac": float((stale < stale.max()).float().mean()) if stale.numel() else 0.0}
+            "train_tokens": float(sum(policy_tokens)), "train_sequences": float(batch.num_sequences),
+            "stale_token_frac": sum(v < newest for v in versions) / len(versions) if versions else 0.0}
 
 
 def combine_micro_batches(parts: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:

@@ -306,8 +306,8 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     Raises ValueError on shape mismatch, an empty batch (B = 0, T = 0 or no valid token), a mask value
     other than 0/1, a non-finite input at a valid token, or a nonzero coefficient whose input is missing.
     """
-    mask = _check_inputs(logp, old_logp, advantages, mask, behaviour_logp=behaviour_logp,
-                         ref_logp=ref_logp, entropy=entropy)
+    mask, bad_counts = _check_inputs(logp, old_logp, advantages, mask, behaviour_logp=behaviour_logp,
+                                     ref_logp=ref_logp, entropy=entropy)
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp, got None")
     if config.entropy_coef > 0 and entropy is None:
@@ -322,22 +322,26 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     logp, old_logp, advantages = valid(logp), valid(old_logp).detach(), valid(advantages).detach()
     aggregate = lookup("aggregation", config.aggregation)
     num_tokens = mask.sum()
+    # Metrics stay 0-dim tensors until the end, where they and the input checks' counts reach the
+    # host in one transfer: one host sync per call (on CUDA every .item() would be one).
+    def item(x: Tensor) -> Tensor:
+        return x.detach().float()
 
-    def item(x: Tensor) -> float:
-        return x.detach().item()
-
-    def frac(flags: Tensor) -> float:
+    def frac(flags: Tensor) -> Tensor:
         return item((flags & mask).sum() / num_tokens)
+
+    def masked_max(x: Tensor) -> Tensor:
+        return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
 
     out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config)
     pg = out.loss  # [B, T]
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor] = {}
     if behaviour_logp is not None and config.tis_cap is not None:
         raw = torch.exp(old_logp - valid(behaviour_logp).detach())  # [B, T]
         tis_weight = raw.clamp(max=config.tis_cap)  # [B, T]
         pg = pg * tis_weight
         metrics.update(tis_weight_mean=item(token_mean(tis_weight, mask)),
-                       tis_capped_frac=frac(raw > config.tis_cap), tis_raw_ratio_max=item(raw[mask].max()))
+                       tis_capped_frac=frac(raw > config.tis_cap), tis_raw_ratio_max=masked_max(raw))
     pg_loss = aggregate(pg, mask)
     loss = pg_loss
     if ref_logp is not None:
@@ -350,8 +354,11 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
         metrics["entropy"] = item(ent)
     metrics.update(loss=item(loss), pg_loss=item(pg_loss), num_tokens=item(num_tokens.float()),
                    clip_frac=frac(out.clipped), dual_clip_frac=frac(out.dual_clipped),
-                   ratio_mean=item(token_mean(out.ratio, mask)), ratio_max=item(out.ratio[mask].max()))
-    return loss, metrics
+                   ratio_mean=item(token_mean(out.ratio, mask)), ratio_max=masked_max(out.ratio))
+    names = list(metrics)
+    values = torch.cat([bad_counts.float(), torch.stack([metrics[n] for n in names]).to(bad_counts.device)]).tolist()
+    _raise_on_bad_values(dict(zip(_CHECK_NAMES, values)), tuple(mask.shape))
+    return loss, dict(zip(names, values[len(_CHECK_NAMES):]))
 
 
 # ---- validation ----------------------------------------------------------------------------------------
@@ -360,20 +367,42 @@ def _as_float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _check_finite(name: str, x: Tensor, where: Tensor | None = None) -> None:
-    bad = ~torch.isfinite(x) if x.is_floating_point() else torch.zeros_like(x, dtype=torch.bool)
-    if where is not None:
-        bad = bad & where
-    num_bad = int(bad.sum())
+_CHECK_NAMES = ("mask_not_01", "mask_valid", "logp", "advantages", "old_logp", "behaviour_logp", "ref_logp",
+                "entropy")
+"""The value checks of rl_loss's inputs, in the order `_check_inputs` counts them."""
+
+
+def _check_finite(name: str, x: Tensor) -> None:
+    num_bad = int((~torch.isfinite(x)).sum()) if x.is_floating_point() else 0
     if num_bad:
-        scope = "valid tokens" if where is not None else "entries"
-        raise ValueError(f"{name} has {num_bad} non-finite value(s) (NaN/inf) among its {scope}, "
-                         f"expected all finite")
+        raise ValueError(f"{name} has {num_bad} non-finite value(s) (NaN/inf) among its entries, expected all finite")
+
+
+def _count_non_finite(x: Tensor | None, where: Tensor) -> Tensor:
+    """[] int64: non-finite entries of x at the valid positions (0 for a missing or integer x)."""
+    if x is None or not x.is_floating_point():
+        return torch.zeros((), dtype=torch.long, device=where.device)
+    return (~torch.isfinite(x) & where).sum()
+
+
+def _raise_on_bad_values(counts: dict[str, float], shape: tuple[int, ...]) -> None:
+    """Raise ValueError for the first failed value check (counts from `_check_inputs`, on the host)."""
+    if counts["mask_not_01"]:
+        raise ValueError(f"mask has {int(counts['mask_not_01'])} value(s) other than 0/1, expected a bool or 0/1 mask")
+    if not counts["mask_valid"]:
+        raise ValueError(f"empty batch: mask of shape {shape} has no valid token")
+    for name in _CHECK_NAMES[2:]:
+        if counts[name]:
+            raise ValueError(f"{name} has {int(counts[name])} non-finite value(s) (NaN/inf) among its valid tokens, "
+                             f"expected all finite")
 
 
 def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                  **optional: Tensor | None) -> Tensor:
-    """Validate rl_loss's inputs; returns mask as bool [B, T]."""
+                  **optional: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Check rl_loss's input shapes (raises at once) and count its bad values without a host sync.
+    Returns (mask as bool [B, T], counts [len(_CHECK_NAMES)] int64 on the mask's device: entries of
+    the mask other than 0/1, valid tokens, then non-finite values at valid tokens per input), which
+    `_raise_on_bad_values` turns into errors once they are on the host."""
     if logp.ndim != 2:
         raise ValueError(f"logp shape {tuple(logp.shape)}, expected [B, T]")
     if logp.shape[0] == 0 or logp.shape[1] == 0:
@@ -387,16 +416,11 @@ def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match logp shape "
                          f"{tuple(logp.shape)}, expected [B]={tuple(logp.shape[:1])} or [B, T]={tuple(logp.shape)}")
-    if mask.dtype != torch.bool:
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError(f"mask has {int(((mask != 0) & (mask != 1)).sum())} value(s) other than 0/1, "
-                             f"expected a bool or 0/1 mask")
-        mask = mask != 0
-    if not mask.any():
-        raise ValueError(f"empty batch: mask of shape {tuple(mask.shape)} has no valid token")
-    _check_finite("logp", logp, mask)
-    _check_finite("advantages", advantages[:, None].expand_as(mask) if advantages.ndim == 1 else advantages, mask)
-    for name, x in named.items():
-        if name != "mask":
-            _check_finite(name, x, mask)
-    return mask
+    not_01 = ((mask != 0) & (mask != 1)).sum() if mask.dtype != torch.bool else torch.zeros((), dtype=torch.long,
+                                                                                             device=mask.device)
+    mask = mask if mask.dtype == torch.bool else mask == 1
+    adv = advantages[:, None].expand_as(mask) if advantages.ndim == 1 else advantages
+    counts = [not_01, mask.sum(), _count_non_finite(logp, mask), _count_non_finite(adv, mask)]
+    counts += [_count_non_finite(optional.get(name) if name != "old_logp" else old_logp, mask)
+               for name in _CHECK_NAMES[4:]]
+    return mask, torch.stack(counts)

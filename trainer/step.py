@@ -8,6 +8,13 @@ it (autograd accumulates into them in place); backward; sum the slot over data-p
 hand this rank's slice to the host optimizer; drop the views and release the slot. Then the host
 AdamW updates its FP32 shards and all-gathers them into the model.
 
+bf16 parameters (Megatron's mixed-precision recipe, models/precision.py): the slot views become
+each parameter's `main_grad`; a post-accumulate-grad hook adds every backward's bf16 `.grad` into
+it in FP32 and drops the `.grad` at once, so reduction and AdamW see FP32 gradients and the
+updated FP32 masters are cast into the bf16 parameters after the step.
+Host syncs: one per step (the loss and its finiteness, fetched together), plus what the loss
+function does (rl/update.py: one per micro-batch, its metrics and input checks in one copy).
+
 Why our own arena and not megatron-core's DDP buffers: megatron's `_ParamAndGradBuffer` allocates
 one grad buffer for every parameter of the model at construction (offload_grad_buffers frees or
 restores all of them at once), so it cannot keep only two chunks' gradients resident; its
@@ -233,36 +240,42 @@ class Trainer:
         # Every rank runs the same number of micro-batches (each one is a round of collectives);
         # a rank with fewer sequences (or none: DP ranks without work this step) contributes zero
         # gradients in its extra rounds.
-        rounds = torch.tensor([len(plan)], device=comm)
+        num_rounds = len(plan)
         if self.optimizer.world > 1:
+            rounds = torch.tensor([num_rounds], device=comm)
             dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
+            num_rounds = int(rounds.item())
         offsets = [0]
         for n in seq_lens:
             offsets.append(offsets[-1] + n)
         loss = torch.zeros((), device=comm)
-        for r in range(int(rounds.item())):
+        for r in range(num_rounds):
             if r >= len(plan):
                 for c in reversed(range(self.config.num_chunks)):
                     self._bind(c)
                     self._reduce_and_release(c)
                 continue
-            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=comm) for i in plan[r]])  # [n]
-            part, _ = self.chunked.forward_backward(token_ids[rows], [seq_lens[i] for i in plan[r]], targets[rows],
-                                                    lambda lp, rows=rows: loss_fn(lp, rows),
+            # A micro-batch is a run of consecutive sequences (micro_batches packs in order): its
+            # rows are one slice, so no index tensor is built on the host and copied over.
+            start, end = offsets[plan[r][0]], offsets[plan[r][-1] + 1]
+            rows = torch.arange(start, end, device=comm)  # [n], made on the device
+            part, _ = self.chunked.forward_backward(token_ids[start:end], [seq_lens[i] for i in plan[r]],
+                                                    targets[start:end], lambda lp, rows=rows: loss_fn(lp, rows),
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
             loss = loss + part
         self.arena.check_integrity()
-        finite = torch.tensor([float(torch.isfinite(loss))], device=comm)
+        finite = torch.isfinite(loss).float()[None]  # [1]
         if self.optimizer.world > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
-        metrics = {"loss": loss.item(), "micro_batches": float(len(plan)),
+        loss_value, all_finite = torch.cat([loss.detach()[None], finite]).tolist()  # the step's one host sync
+        metrics = {"loss": loss_value, "micro_batches": float(len(plan)),
                    "grad_slots_high_water": float(self.arena.high_water_slots)}
-        if not finite.item():
+        if not all_finite:
             self.optimizer.zero_grad()
             self.bad_steps_in_a_row += 1
             if self.bad_steps_in_a_row > self.config.max_bad_steps:
                 raise FloatingPointError(f"non-finite loss in {self.bad_steps_in_a_row} consecutive steps "
-                                         f"(max_bad_steps={self.config.max_bad_steps}); last loss {loss.item()}")
+                                         f"(max_bad_steps={self.config.max_bad_steps}); last loss {loss_value}")
             return {**metrics, "skipped": 1.0}
         self.bad_steps_in_a_row = 0
         self.optimizer.step()
