@@ -22,7 +22,8 @@ A rank without work this iteration still takes part in every one of them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.model import HybridLM
 from rl.checkpoint import save_iteration
+from rl.plan_activation import SavedTensorMeter
+from rl.plan_model import with_totals
 from rl.ranks import Ranks, merge_metrics, weights_checksum
 from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
@@ -46,26 +49,111 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Phases:
-    """Runs one phase transition, timing it and logging the memory tiers afterwards."""
+def _storage_bytes(tensors, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages under `tensors` not in `seen` (updated): a storage shared by
+    two models (or two views) is counted once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
-    def __init__(self, tracker: Tracker, engine: Engine, policy: HybridLM, trainer: Trainer) -> None:
+
+class Phases:
+    """Runs one phase transition, timing it and logging the memory tiers afterwards (`memory`)."""
+
+    def __init__(self, tracker: Tracker, engine: Engine, policy: HybridLM, trainer: Trainer,
+                 ref_model: "HybridLM | StreamedReference | None" = None) -> None:
         self.tracker, self.engine, self.policy, self.trainer = tracker, engine, policy, trainer
+        self.ref_model = ref_model
         self.seconds: dict[str, float] = {}
+        self._peaks: dict[str, int] = {}
+        """The train phase's transient consumers (`_measure_train`), reported by the next `memory()`."""
 
     def memory(self) -> dict[str, int]:
-        pool = 0 if self.engine.pool.is_released else self.engine.pool.num_pages * self.engine.layout.page_bytes
-        weights = _tensor_bytes(self.policy.parameters()) + _tensor_bytes(self.engine.model.parameters())
-        host_pool = self.engine.host.pool_bytes if self.engine.host is not None else 0
-        return {"device_pool": pool, "host_pool": host_pool, "train_device": weights,
-                "train_host": self.trainer.optimizer.host_bytes(), "train_disk": self.trainer.optimizer.disk_bytes}
+        """Bytes each consumer holds, by tier, at the end of the phase just run (rl/plan_model.py
+        predicts the same keys from the config; docs/plan-48b.md):
+
+        device_weights (distinct storages of the policy's and the engine's parameters: a shared copy
+        counts once), device_pool (the engine's page pool, 0 while released), device_grad_slots (the
+        trainer's FP32 arena), device_activation_peak (train phase: the peak of autograd's saved
+        tensors, rl/plan_activation.py; 0 elsewhere), device_reference (a resident reference model;
+        a streamed one lives in the grad slots: 0); host_masters, host_moments (AdamW state incl.
+        step counters), host_grads (train phase: the FP32 gradient shards right before the
+        optimizer step, their peak; 0 elsewhere), host_pool (the host KV pool), host_parked (the
+        part of host_pool holding paused rollouts' KV over a sleep: inside host_pool, not added to
+        host_total), host_reference (a streamed reference's host vectors); disk_spilled (spill files
+        of the optimizer states). device_total, host_total and disk_total sum each tier. Kept for
+        older readers: train_device (= device_weights), train_host (the optimizer's host bytes at
+        the end of the phase), train_disk (= disk_spilled)."""
+        engine, optimizer, ref = self.engine, self.trainer.optimizer, self.ref_model
+        seen: set[int] = set()
+        weights = _storage_bytes(self.policy.parameters(), seen) + _storage_bytes(engine.model.parameters(), seen)
+        resident_ref = _storage_bytes(ref.parameters(), seen) if isinstance(ref, HybridLM) else 0
+        host = engine.host
+        # paused sequences' host pages over a sleep (rollout/engine.py `_park_paused`); a page shared
+        # by forks is one page
+        parked = {s for kda, mla in getattr(engine, "_parked", {}).values() for s in kda + [x for g in mla for x in g]}
+        kinds = optimizer.host_bytes_by_kind()
+        out = with_totals({
+            "device_weights": weights,
+            "device_pool": 0 if engine.pool.is_released else engine.pool.num_pages * engine.layout.page_bytes,
+            "device_grad_slots": self.trainer.arena.total_bytes,
+            "device_activation_peak": self._peaks.get("device_activation_peak", 0),
+            "device_reference": resident_ref,
+            "host_masters": kinds["masters"], "host_moments": kinds["moments"],
+            "host_grads": max(kinds["grads"], self._peaks.get("host_grads", 0)),
+            "host_pool": host.pool_bytes if host is not None else 0,
+            "host_parked": len(parked) * host.page_bytes if host is not None else 0,
+            "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
+            "disk_spilled": optimizer.disk_bytes})
+        out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)
+        if "device_alloc_peak" in self._peaks:
+            out["device_alloc_peak"] = self._peaks["device_alloc_peak"]
+        return out
+
+    @contextmanager
+    def _measure_train(self, name: str) -> Iterator[None]:
+        """Around the train phase: meter autograd's saved tensors (their peak is the activation
+        figure), sample the optimizer's gradient shards right before its step (when they peak) and,
+        on CUDA, record the allocator's peak above the phase's start (everything: activations,
+        temporaries, gradients in flight) as device_alloc_peak."""
+        self._peaks = {}
+        if name != "train":
+            yield
+            return
+        meter, optimizer = SavedTensorMeter(), self.trainer.optimizer
+        device = self.trainer.arena.device
+        grads = [0]
+
+        def step(*args, **kwargs):
+            grads[0] = max(grads[0], optimizer.host_bytes_by_kind()["grads"])
+            return type(optimizer).step(optimizer, *args, **kwargs)
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        optimizer.step = step  # an instance attribute over the method, for this phase only
+        try:
+            with meter.hooks():
+                yield
+        finally:
+            del optimizer.step
+        self._peaks = {"device_activation_peak": meter.peak, "host_grads": grads[0]}
+        if device.type == "cuda":
+            self._peaks["device_alloc_peak"] = torch.cuda.max_memory_allocated(device) - start
 
     def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
         t0 = time.perf_counter()
-        result = fn()
+        with self._measure_train(name):
+            result = fn()
         seconds = time.perf_counter() - t0
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.tracker.log_phase(iteration, name, seconds, bytes_moved, self.memory())
+        self._peaks = {}
         return result
 
 
@@ -103,8 +191,9 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
     """Iterations [start, iterations); returns each iteration's metrics (global over ranks).
     `fault(iteration, phase)` is called as each phase starts (tests inject a crash there)."""
     p, history = parts, []
-    phases = Phases(p.tracker, p.engine, p.policy, p.trainer)
-    weight_bytes = _tensor_bytes(p.policy.parameters())
+    phases = Phases(p.tracker, p.engine, p.policy, p.trainer, p.ref_model)
+    # bytes a weight sync copies: none when the engine runs on the policy's own tensors
+    weight_bytes = 0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())
     for it in range(start, iterations):
         if p.engine.pool.is_released:
             fault(it, "wake")
@@ -153,10 +242,14 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
 
 
 def _sync_weights(p: LoopParts, version: int) -> int:
-    """Load the policy's weights into this rank's engine; returns their checksum, the same on every
-    rank (a RuntimeError naming the ranks otherwise: the trainer's all-gather must leave every
-    replica identical)."""
-    p.engine.load_weights(p.policy.state_dict(), version=version)
+    """Give this rank's engine the policy's current weights as `version`: a version bump when the
+    engine runs on the policy's own tensors (the default: nothing is copied), a state-dict copy when
+    it holds its own; returns their checksum, the same on every rank (a RuntimeError naming the
+    ranks otherwise: the trainer's all-gather must leave every replica identical)."""
+    if p.engine.model is p.policy:
+        p.engine.weights_updated(version)
+    else:
+        p.engine.load_weights(p.policy.state_dict(), version=version)
     checksum = weights_checksum(p.engine.model.state_dict())
     return p.ranks.check_same(f"the engine weights' checksum after loading version {version}", checksum)
 

@@ -262,32 +262,45 @@ def _plot_reward(records: list[dict], path: Path) -> None:
 
 
 def _plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> None:
-    """What each memory tier holds through the phases of the last `last_iterations` iterations: one
-    step line per memory key, one equal-width slot per phase (durations differ by 1000x; each
-    slot's label gives the phase and its seconds)."""
+    """What each memory consumer holds through the phases of the last `last_iterations` iterations:
+    one step line per memory key, one equal-width slot per phase (durations differ by 1000x; each
+    slot's label gives the phase and its seconds). Keys named by tier (`device_*`, `host_*`,
+    `disk_*`: rl/orchestrator.py `Phases.memory`) get one panel per tier, their `*_total` dashed;
+    the older `train_*` aliases are then left out; any other key goes to a last panel."""
     if not records:
         return
     kept = sorted({r["iteration"] for r in records})[-last_iterations:]
     records = [r for r in records if r["iteration"] in kept]
     plt = _pyplot()
     keys = list(dict.fromkeys(k for r in records for k in r["memory"]))
+    tiers = [t for t in ("device", "host", "disk") if any(k.startswith(f"{t}_") and k != "device_pool"
+                                                          and k != "host_pool" for k in keys)]
+    panels: dict[str, list[str]] = {t: [k for k in keys if k.startswith(f"{t}_")] for t in tiers}
+    legacy = ("train_device", "train_host", "train_disk") if tiers else ()
+    rest = [k for k in keys if not any(k in ks for ks in panels.values()) and k not in legacy]
+    if rest:
+        panels["memory" if not tiers else "other"] = rest
     peak = max((v for r in records for v in r["memory"].values()), default=0)
     unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(records) + 3), 4.5))
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+                             figsize=(max(8, 0.55 * len(records) + 3), 1.2 + 2.6 * len(panels)))
     x = list(range(len(records) + 1))
-    for key in keys:
-        values = [r["memory"].get(key, float("nan")) / scale for r in records]
-        ax.step(x, values + values[-1:], where="post", label=key)
-    for i, r in enumerate(records):
-        if i == 0 or r["iteration"] != records[i - 1]["iteration"]:
-            ax.axvline(i, color="grey", alpha=0.4, linewidth=0.8)
+    for ax, (title, panel_keys) in zip(axes[:, 0], panels.items()):
+        for key in panel_keys:
+            values = [r["memory"].get(key, float("nan")) / scale for r in records]
+            ax.step(x, values + values[-1:], where="post", label=key,
+                    linestyle="--" if key.endswith("_total") else "-")
+        for i, r in enumerate(records):
+            if i == 0 or r["iteration"] != records[i - 1]["iteration"]:
+                ax.axvline(i, color="grey", alpha=0.4, linewidth=0.8)
+        ax.set_ylabel(f"{title}, {unit}" if len(panels) > 1 else unit)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax = axes[-1, 0]
     ax.set_xticks([i + 0.5 for i in range(len(records))])
     ax.set_xticklabels([f"{r['iteration']}:{r['phase']} {r['seconds']:.2g}s" for r in records],
                        rotation=60, ha="right", fontsize="x-small")
-    ax.set_ylabel(unit)
-    ax.set_title(f"memory by phase, iterations {kept[0]}-{kept[-1]}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    axes[0, 0].set_title(f"memory by phase, iterations {kept[0]}-{kept[-1]}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -257,3 +257,15 @@ class ShardedHostAdamW:
                 raise ValueError(f"optimizer shard shape {tuple(saved.shape)} != expected {tuple(master.shape)}")
             master.copy_(saved)
         self.adam.load_state_dict(state["adam"])
+
+    def host_bytes_by_kind(self) -> dict[str, int]:
+        """`host_bytes()` split by what the bytes are: "masters" (FP32 master shards), "grads" (their
+        gradient shards, present from the first `add_grad` of a step until `step`) and "moments"
+        (every Adam state tensor: exp_avg, exp_avg_sq and the scalar step counters; none before the
+        first step). Storages, so spilled states count 0; the three sum to `host_bytes()`."""
+        def nbytes(tensors) -> int:
+            return sum(t.untyped_storage().nbytes() for t in tensors)
+
+        return {"masters": nbytes(self.masters),
+                "grads": nbytes(m.grad for m in self.masters if m.grad is not None),
+                "moments": nbytes(v for st in self.adam.state.values() for v in st.values() if torch.is_tensor(v))}
