@@ -14,9 +14,17 @@ plugs into `HybridLM.run_layers`, so embeddings, norms and MLPs stay one code pa
   attend over their gathered pages with the expanded form.
 Conv tails: the pool stores them per head as [3 (q, k, v), kernel-1, dk]; the layer works on
 [kernel-1, 3 * H * dk] (channel = which * H * dk + h * dk + d); `_tails_to_layer` converts.
+
+No layer waits for the device: every integer the step needs (positions, write slots, block
+tables, state pages, decode rows, padding maps of the length buckets, per-sequence starts and
+lengths) is computed on the host from Python lists and moved in one copy (`StepMetadata`), and
+every size (longest sequence, blocks to gather) comes from those lists, never from a device tensor.
+On CUDA the host can queue a whole step ahead of the device (tests/rollout/test_sync_audit.py).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +54,47 @@ def torch_prefill_form(num_seqs: int, width: int) -> tuple[str, int]:
     if num_seqs >= 4 or width <= 256:
         return "recurrent", 0
     return "chunk", 16
+
+
+class StepMetadata:
+    """One step's integer metadata, gathered on the host and moved to the device in one copy.
+
+    `add(values, *shape)` appends Python ints and returns a key; `move(device)` turns everything
+    into one int64 host tensor (pinned when `device` is CUDA) and copies it with one non-blocking
+    `.to`; `self[key]` is then a view of the device copy, shaped as added. Per step that is one
+    host-to-device transfer instead of one per tensor (a pageable copy of a small tensor blocks
+    the host on CUDA). Keys added after `move` are an error: add everything first.
+    """
+
+    def __init__(self) -> None:
+        self._values: list[int] = []
+        self._fields: list[tuple[int, tuple[int, ...]]] = []  # (offset, shape) of each key
+        self._device_buffer: torch.Tensor | None = None
+
+    def add(self, values: Iterable[int], *shape: int) -> int:
+        if self._device_buffer is not None:
+            raise RuntimeError("StepMetadata.add after move(): add every field before moving the buffer")
+        offset = len(self._values)
+        self._values.extend(values)
+        num = len(self._values) - offset
+        shape = shape or (num,)
+        if math.prod(shape) != num:
+            raise ValueError(f"{num} values do not fill shape {shape}")
+        self._fields.append((offset, shape))
+        return len(self._fields) - 1
+
+    def move(self, device: torch.device) -> None:
+        if self._device_buffer is not None:
+            raise RuntimeError("StepMetadata moved twice: one buffer, one copy per step")
+        host = torch.tensor(self._values, dtype=torch.long, device="cpu",
+                            pin_memory=device.type == "cuda")  # [total] every field, flat
+        self._device_buffer = host.to(device, non_blocking=True)
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        if self._device_buffer is None:
+            raise RuntimeError("StepMetadata read before move()")
+        offset, shape = self._fields[key]
+        return self._device_buffer[offset:offset + math.prod(shape)].view(shape)
 
 
 @dataclass
@@ -82,10 +131,12 @@ class PagedStep:
     """What one engine step runs: packed new tokens of several sequences and where their caches are."""
 
     batch: SegmentBatch
-    state_pages: dict[int, torch.Tensor]
-    """KDA layer -> [num_seqs] int64 page holding each sequence's state for that layer's group."""
-    block_tables: dict[int, torch.Tensor]
-    """MLA layer -> [num_seqs, max_blocks] int64 pages of each sequence in logical order."""
+    state_pages: dict[int, list[int]]
+    """KDA layer -> page holding each sequence's state for that layer's group (host ints; layers
+    of one cache group share one list object, moved once)."""
+    block_tables: dict[int, list[list[int]]]
+    """MLA layer -> pages of each sequence in logical order, one row per sequence, rows of any
+    length (host ints; layers of one cache group share one list object)."""
     impl: str = "naive"
     """Kernel implementation: "naive" (torch) or "triton"."""
     check: bool = True
@@ -142,58 +193,111 @@ def _pad(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, num: int, width:
     return out.index_copy_(0, dst, x.index_select(0, src)).view(num, width, *x.shape[1:])
 
 
-class PagedMixer:
-    """`Mixer` over pool pages; mutates the pages of the sequences in `step` (and only those)."""
+@dataclass
+class _Bucket:
+    """Sequences whose new tokens run right-padded to one width (a length bucket), with their
+    metadata as device views of the step's buffer."""
 
-    def __init__(self, caches: PagedCaches, step: PagedStep) -> None:
+    seqs: list[int]
+    """Indices into the step's sequences (host)."""
+    width: int
+    """Longest member's new tokens: the padded length Lmax (host)."""
+    max_end: int
+    """Largest kv_start + new tokens among the members (host): how many slots attention reads."""
+    src: torch.Tensor
+    """[num new tokens] packed row of each real token."""
+    dst: torch.Tensor
+    """[num new tokens] its row in the [len(seqs) * width] padded layout."""
+    index: torch.Tensor
+    """[Bp] `seqs` as a tensor (to gather per-sequence rows of pages and tables)."""
+    fresh: torch.Tensor
+    """[Bp] bool: the sequence starts at position 0 (its state starts from zeros)."""
+    lens: torch.Tensor
+    """[Bp] new tokens of each member."""
+    kv_starts: torch.Tensor
+    """[Bp] MLA slot of each member's first new token."""
+
+
+class PagedMixer:
+    """`Mixer` over pool pages; mutates the pages of the sequences in `step` (and only those).
+
+    Construction adds the step's metadata to `meta` (a new `StepMetadata` when None) and moves it
+    to the pool's device, so a caller that wants more fields in the same copy (the runner's token
+    ids, rows to sample) adds them before and reads them after."""
+
+    def __init__(self, caches: PagedCaches, step: PagedStep, meta: StepMetadata | None = None) -> None:
         self.caches, self.step = caches, step
         views = [*caches.kda_state.values(), *caches.mla_latent.values()]
         dev = self.device = views[0].device if views else torch.device("cpu")  # metadata lives with the pool
+        self.meta = meta = meta if meta is not None else StepMetadata()
         batch = step.batch
-        offsets = batch.offsets
+        offsets, new_lens = batch.offsets, batch.new_lens
+        self.kv_starts = batch.starts if step.kv_starts is None else list(step.kv_starts)
         self.decode, self.prefill = step.decode_seqs, step.prefill_seqs
         self.pure_decode = len(self.decode) == batch.num_tokens  # every row decodes: no gathers needed
+        key = {"positions": meta.add(batch.position_list()),  # [N] token positions (RoPE)
+               "decode_seq_lens": meta.add(self.kv_starts[i] + 1 for i in self.decode)}  # [Bd]
+        self.max_decode_len = max((self.kv_starts[i] + 1 for i in self.decode), default=0)
+        if not self.pure_decode:
+            key["decode_rows"] = meta.add(offsets[i] for i in self.decode)  # [Bd]
+            key["decode_index"] = meta.add(self.decode)  # [Bd]
+        # Layers of one cache group share their host lists: one device copy per group.
+        kda_keys: dict[int, int] = {}  # id(pages) -> key
+        for pages in step.state_pages.values():
+            if id(pages) not in kda_keys:
+                kda_keys[id(pages)] = meta.add(pages)  # [B]
+        mla_keys: dict[int, tuple[int, int, int]] = {}  # id(table) -> keys of (table, write pages, write slots)
+        for table in step.block_tables.values():
+            if id(table) not in mla_keys:
+                mla_keys[id(table)] = self._add_table(table)
+        self.prefill_groups = _length_buckets(self.prefill, [new_lens[i] for i in self.prefill])
+        # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
+        self.attn_groups = _length_buckets(self.prefill, [self.kv_starts[i] + new_lens[i] for i in self.prefill])
+        bucket_keys = {tuple(seqs): self._add_bucket(seqs) for seqs in self.prefill_groups + self.attn_groups}
+        meta.move(dev)
+        self.positions = meta[key["positions"]]
+        self.decode_seq_lens = meta[key["decode_seq_lens"]]
         if self.pure_decode:
             self.decode_rows = self.decode_index = slice(None)
         else:
-            self.decode_rows = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long, device=dev)  # [Bd]
-            self.decode_index = torch.tensor(self.decode, dtype=torch.long, device=dev)  # [Bd]
-        self.positions = batch.positions(dev)  # [N] token positions (RoPE)
-        self.seq_of_token = torch.repeat_interleave(torch.arange(len(batch.new_lens), device=dev),
-                                                    torch.tensor(batch.new_lens, device=dev))  # [N]
-        self.kv_starts = batch.starts if step.kv_starts is None else list(step.kv_starts)
-        if step.kv_starts is None:
-            self.slot_positions = self.positions  # [N] MLA slot of each new token
-        else:
-            shift = torch.tensor([k - s for k, s in zip(self.kv_starts, batch.starts)], dtype=torch.long, device=dev)
-            self.slot_positions = self.positions + shift[self.seq_of_token]
-        self.decode_seq_lens = torch.tensor([self.kv_starts[i] + 1 for i in self.decode], dtype=torch.long,
-                                            device=dev)  # [Bd]
-        self._write_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(table) -> (pages, slots)
-        self.prefill_groups = _length_buckets(self.prefill, [batch.new_lens[i] for i in self.prefill])
-        # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
-        self.attn_groups = _length_buckets(self.prefill, [self.kv_starts[i] + batch.new_lens[i] for i in self.prefill])
-        self._packings: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
+            self.decode_rows, self.decode_index = meta[key["decode_rows"]], meta[key["decode_index"]]
+        self.state_pages = {i: meta[kda_keys[id(p)]] for i, p in step.state_pages.items()}  # [B] each
+        self.tables = {i: meta[mla_keys[id(t)][0]] for i, t in step.block_tables.items()}  # [B, max_blocks] each
+        self.write_slots = {i: (meta[mla_keys[id(t)][1]], meta[mla_keys[id(t)][2]])
+                            for i, t in step.block_tables.items()}  # ([N] page, [N] slot in page) each
+        self.buckets: dict[tuple[int, ...], _Bucket] = {}
+        for seqs, (width, max_end, (src, dst, index, fresh, lens, starts)) in bucket_keys.items():
+            self.buckets[seqs] = _Bucket(list(seqs), width, max_end, src=meta[src], dst=meta[dst], index=meta[index],
+                                         fresh=meta[fresh].bool(), lens=meta[lens], kv_starts=meta[starts])
 
-    def _packing(self, seqs: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Right-padding of some sequences' new tokens: (Lmax, src, dst) where packed row src[r]
-        goes to row dst[r] of the [len(seqs) * Lmax] padded layout. Same for every layer of the
-        step, so computed once per group."""
-        key = tuple(seqs)
-        if key not in self._packings:
-            batch = self.step.batch
-            lens, offsets = [batch.new_lens[i] for i in seqs], batch.offsets
-            width = max(lens)
-            src = torch.tensor([offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)], dtype=torch.long,
-                               device=self.device)
-            dst = torch.tensor([j * width + t for j, n in enumerate(lens) for t in range(n)], dtype=torch.long,
-                               device=self.device)
-            self._packings[key] = (width, src, dst)
-        return self._packings[key]
+    def _add_table(self, table: list[list[int]]) -> tuple[int, int, int]:
+        """Adds one cache group's block table [B, max_blocks] (padded with -1) and where each new
+        token's MLA entry goes: its page and slot in the page, [N] each. Returns their keys."""
+        meta, new_lens = self.meta, self.step.batch.new_lens
+        block_tokens = next(iter(self.caches.mla_latent.values())).shape[1]
+        slots = [k + t for k, n in zip(self.kv_starts, new_lens) for t in range(n)]  # [N] MLA slot of each new token
+        seq_of_token = [i for i, n in enumerate(new_lens) for _ in range(n)]  # [N]
+        width = max(len(row) for row in table)
+        return (meta.add((p for row in table for p in row + [-1] * (width - len(row))), len(table), width),
+                meta.add(table[i][s // block_tokens] for i, s in zip(seq_of_token, slots)),
+                meta.add(s % block_tokens for s in slots))
+
+    def _add_bucket(self, seqs: list[int]) -> tuple[int, int, tuple[int, ...]]:
+        """Adds a bucket's metadata to the buffer: (width, max_end, keys of src, dst, index,
+        fresh, lens, kv_starts). Packed row src[r] goes to row dst[r] of the padded layout."""
+        batch, meta = self.step.batch, self.meta
+        lens, offsets = [batch.new_lens[i] for i in seqs], batch.offsets
+        width = max(lens)
+        max_end = max(self.kv_starts[i] + n for i, n in zip(seqs, lens))
+        keys = (meta.add(offsets[i] + t for i, n in zip(seqs, lens) for t in range(n)),
+                meta.add(j * width + t for j, n in enumerate(lens) for t in range(n)),
+                meta.add(seqs), meta.add(int(batch.starts[i] == 0) for i in seqs), meta.add(lens),
+                meta.add(self.kv_starts[i] for i in seqs))
+        return width, max_end, keys
 
     def kda(self, index: int, layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
         state, conv = self.caches.kda_state[index], self.caches.kda_conv[index]
-        pages = self.step.state_pages[index]  # [B]
+        pages = self.state_pages[index]  # [B]
         mixed, g, beta, gate = layer.project(x)
         if self.pure_decode:  # the decode output is the whole core
             pages_d, mixed_d, g_d, beta_d, core = pages, mixed, g, beta, None
@@ -214,10 +318,10 @@ class PagedMixer:
                 return layer.output(out, gate)
             core[self.decode_rows] = out
         for group in self.prefill_groups:
-            self._kda_prefill(layer, group, mixed, g, beta, state, conv, pages, core)
+            self._kda_prefill(layer, self.buckets[tuple(group)], mixed, g, beta, state, conv, pages, core)
         return layer.output(core, gate)
 
-    def _kda_prefill(self, layer: KDALayer, seqs: list[int], mixed: torch.Tensor, g: torch.Tensor,
+    def _kda_prefill(self, layer: KDALayer, bucket: _Bucket, mixed: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, conv: torch.Tensor, pages: torch.Tensor,
                      core: torch.Tensor) -> None:
         """Chunked KDA over several sequences' new tokens at once, right-padded to the longest.
@@ -225,12 +329,10 @@ class PagedMixer:
         Padded steps get beta = 0 (nothing written) and g = 0 (no decay), so they leave the state
         exactly as the last real token left it; their outputs are discarded.
         """
-        batch = self.step.batch
-        lens = [batch.new_lens[i] for i in seqs]
-        num, (width, src, dst) = len(seqs), self._packing(seqs)
+        num, width, src, dst = len(bucket.seqs), bucket.width, bucket.src, bucket.dst
         padded_mixed, padded_g, padded_beta = (_pad(x, src, dst, num, width) for x in (mixed, g, beta))  # [Bp, Lmax, ...]
-        seq_pages = pages[seqs]  # [Bp]
-        fresh = torch.tensor([batch.starts[i] == 0 for i in seqs], device=self.device)[:, None, None, None]  # [Bp, 1, 1, 1]
+        seq_pages = pages.index_select(0, bucket.index)  # [Bp]
+        fresh = bucket.fresh[:, None, None, None]  # [Bp, 1, 1, 1]
         # A fresh sequence starts from zeros, whatever its page held before (pages are not cleared).
         init = state.index_select(0, seq_pages).masked_fill(fresh, 0.0)  # [Bp, H, dk, dv]
         tails = _tails_to_layer(conv.index_select(0, seq_pages).masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
@@ -242,25 +344,18 @@ class PagedMixer:
             o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
                                     chunk_len=chunk_len or 16)
         state.index_copy_(0, seq_pages, final.to(state.dtype))
-        ends = torch.tensor(lens, device=self.device)[:, None] + torch.arange(layer.kernel - 1, device=self.device)[None]  # [Bp, K-1] ext rows of the new tail
+        ends = bucket.lens[:, None] + torch.arange(layer.kernel - 1, device=self.device)[None]  # [Bp, K-1] ext rows of the new tail
         new_tails = ext[torch.arange(num, device=self.device)[:, None], ends]  # [Bp, K-1, 3*qkv]
         conv.index_copy_(0, seq_pages, _tails_to_pool(new_tails, layer.num_heads).to(conv.dtype))
         core.index_copy_(0, src, o.reshape(num * width, *o.shape[2:]).index_select(0, dst).to(core.dtype))
 
     def mla(self, index: int, layer: MLALayer, x: torch.Tensor) -> torch.Tensor:
         cache = self.caches.mla_latent[index]  # [P, bt, d_c + d_r]
-        tables = self.step.block_tables[index]  # [B, max_blocks]
-        block_tokens = cache.shape[1]
+        tables = self.tables[index]  # [B, max_blocks]
         q_nope, q_rope = layer.queries(x, self.positions)
         latent = layer.latent(x, self.positions)  # [N, d_c + d_r]
-        # Write the new tokens' entries before attending: prefill attends to itself. Layers of one
-        # cache group share a block table, so their write slots are computed once per step.
-        slots = self._write_slots.get(id(tables))
-        if slots is None:
-            slots = (tables[self.seq_of_token, self.slot_positions // block_tokens],
-                     self.slot_positions % block_tokens)
-            self._write_slots[id(tables)] = slots
-        cache[slots] = latent.to(cache.dtype)
+        # Write the new tokens' entries before attending: prefill attends to itself.
+        cache[self.write_slots[index]] = latent.to(cache.dtype)
         w_uk, w_uv = layer.up_projections()
         out = torch.empty(x.shape[0], layer.num_heads, layer.v_dim, dtype=x.dtype, device=x.device)
         if self.decode:
@@ -270,13 +365,13 @@ class PagedMixer:
             if self.step.kv_observer is None:
                 o_lat = paged_mla_decode(q_lat, q_rope[rows].float(), cache, tables[self.decode_index],
                                          self.decode_seq_lens, scale=layer.scale, impl=self.step.impl,
-                                         check=self.step.check)
+                                         check=self.step.check, max_seq_len=self.max_decode_len)
             else:
                 o_lat = self._observed_decode(index, layer, q_lat, q_rope[rows].float(), cache,
                                               tables[self.decode_index])
             out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(out.dtype)
         for group in self.attn_groups:
-            self._mla_prefill(index, layer, group, q_nope, q_rope, cache, tables, out)
+            self._mla_prefill(index, layer, self.buckets[tuple(group)], q_nope, q_rope, cache, tables, out)
         return layer.output(x, out)
 
     def _observed_decode(self, index: int, layer: MLALayer, q_lat: torch.Tensor, q_rope: torch.Tensor,
@@ -286,7 +381,7 @@ class PagedMixer:
         Without extra rows the output is the plain path's, bit for bit."""
         obs, seqs, lens = self.step.kv_observer, self.decode, self.decode_seq_lens
         o_lat, lse = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=layer.scale, impl=self.step.impl,
-                                      check=self.step.check, return_lse=True)
+                                      check=self.step.check, return_lse=True, max_seq_len=self.max_decode_len)
         q_full = torch.cat([q_lat, q_rope], dim=-1)  # [Bd, H, d_c + d_r]
         extra = obs.extra_kv(index, seqs, q_full)
         extra_weights = None
@@ -299,27 +394,27 @@ class PagedMixer:
         obs.observe(index, seqs, weights, extra_weights)
         return o_lat.to(q_lat.dtype)
 
-    def _mla_prefill(self, index: int, layer: MLALayer, seqs: list[int], q_nope: torch.Tensor, q_rope: torch.Tensor,
-                     cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
+    def _mla_prefill(self, index: int, layer: MLALayer, bucket: _Bucket, q_nope: torch.Tensor,
+                     q_rope: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
         """Causal attention of several sequences' new tokens over their pages (absorbed form, as
         decode): queries right-padded to the longest chunk, whole pages gathered per sequence.
-        Padded query rows and slots past a sequence's end are masked out (and zeroed when the
-        gather holds non-finite values, as in `paged_mla_decode`); padded outputs are dropped."""
-        batch, block_tokens, width_kv = self.step.batch, cache.shape[1], cache.shape[2]
-        num, (width, src, dst) = len(seqs), self._packing(seqs)
+        Padded query rows and slots past a sequence's end are masked out of the softmax, and
+        zeroed in the gather: pages not written yet may hold anything, NaN included, from an
+        earlier owner, and 0 * NaN in probs @ kv would leak it (zeroing is unconditional: testing
+        for non-finite values first would make the host wait for the device). Padded outputs are dropped."""
+        block_tokens, width_kv = cache.shape[1], cache.shape[2]
+        seqs, num, width, src, dst = bucket.seqs, len(bucket.seqs), bucket.width, bucket.src, bucket.dst
         heads, d_c = layer.num_heads, layer.kv_lora_rank
         w_uk, w_uv = (w.float() for w in layer.up_projections())
-        starts = torch.tensor([self.kv_starts[i] for i in seqs], device=self.device)  # [Bp] first new slot
-        lens = torch.tensor([batch.new_lens[i] for i in seqs], device=self.device)  # [Bp]
+        starts, lens = bucket.kv_starts, bucket.lens  # [Bp] first new slot, new tokens
         ends = starts + lens  # [Bp]
-        num_blocks = -(-int(ends.max()) // block_tokens)
+        num_blocks = -(-bucket.max_end // block_tokens)
         span = num_blocks * block_tokens
         needed = torch.arange(num_blocks, device=self.device) * block_tokens < ends[:, None]  # [Bp, nb]
-        pages = tables[seqs, :num_blocks].masked_fill(~needed, 0)  # [Bp, nb]; page 0 stands in, masked
+        pages = tables.index_select(0, bucket.index)[:, :num_blocks].masked_fill(~needed, 0)  # [Bp, nb]; page 0 stands in, masked
         kv = cache.index_select(0, pages.reshape(-1)).view(num, span, width_kv).float()  # [Bp, S, d_c + d_r]
         kv_pos = torch.arange(span, device=self.device)
-        if not bool(kv.sum().isfinite()):
-            kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
+        kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
         q_pos = starts[:, None] + torch.arange(width, device=self.device)  # [Bp, Lq] slot of each query row
         allowed = (kv_pos <= q_pos[..., None]) & (kv_pos < ends[:, None, None])  # [Bp, Lq, S]
         obs = self.step.kv_observer

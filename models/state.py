@@ -84,6 +84,10 @@ class SegmentBatch:
         start = self.offsets[i]
         return slice(start, start + self.new_lens[i])
 
+    def position_list(self) -> list[int]:
+        """[num_tokens] absolute position of every packed token, as host ints."""
+        return [s + t for s, n in zip(self.starts, self.new_lens) for t in range(n)]
+
     def positions(self, device: torch.device | None = None) -> torch.Tensor:
         """[num_tokens] absolute position of every packed token."""
         lens = torch.tensor(self.new_lens, device=device)

@@ -12,8 +12,6 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import torch
-
 from memory.page_pool import OutOfPages, PagePool
 from rollout.request import Sequence
 
@@ -105,36 +103,34 @@ class CacheManager:
         first, rest = children[0], children[1:]
         first.kda_pages, first.mla_pages = parent.kda_pages, parent.mla_pages
         parent.kda_pages, parent.mla_pages = [], []
+        src: list[int] = []  # every child's copies in one copy_pages: one gather, one scatter
+        dst: list[int] = []
         for child in rest:
             child.kda_pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda_groups)]
-            self.pool.copy_pages(first.kda_pages, child.kda_pages)
+            src += first.kda_pages
+            dst += child.kda_pages
             child.mla_pages = []
             for g, pages in enumerate(first.mla_pages):
                 shared = pages[:full]
                 self.pool.incref(shared)
                 own = self.pool.allocate(1, ("mla", g)) if partial else []
-                if partial:
-                    self.pool.copy_pages(pages[full:full + 1], own)
+                src += pages[full:full + 1] if partial else []
+                dst += own
                 child.mla_pages.append(shared + own)
+        self.pool.copy_pages(src, dst)
         for child in children:
             child.num_computed = parent.num_computed
         if self.evictor is not None:
             self.evictor.fork(parent, children)
 
-    def block_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per MLA group, [num_seqs, max_blocks] int64 page ids (padded with -1), on the pool's device."""
-        tables = []
-        for g in range(self.num_mla_groups):
-            width = max(len(s.mla_pages[g]) for s in seqs)
-            rows = [s.mla_pages[g] + [-1] * (width - len(s.mla_pages[g])) for s in seqs]
-            # one tensor per step, not one per sequence
-            tables.append(torch.tensor(rows, dtype=torch.long, device=self.pool.device))
-        return tables
+    def block_tables(self, seqs: list[Sequence]) -> list[list[list[int]]]:
+        """Per MLA group, each sequence's pages in logical order (host ints; copies: the step's view
+        even if eviction rewrites the sequences' lists later)."""
+        return [[list(s.mla_pages[g]) for s in seqs] for g in range(self.num_mla_groups)]
 
-    def state_pages(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per KDA group, [num_seqs] int64 state page of each sequence (on the pool's device)."""
-        return [torch.tensor([s.kda_pages[g] for s in seqs], dtype=torch.long, device=self.pool.device)
-                for g in range(self.num_kda_groups)]
+    def state_pages(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Per KDA group, the state page of each sequence (host ints)."""
+        return [[s.kda_pages[g] for s in seqs] for g in range(self.num_kda_groups)]
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
         """Pool accounting holds and every refcount equals the references sequences hold."""

@@ -1,10 +1,10 @@
 """Turns a scheduled step into one paged forward of the model and returns the logits to sample.
 
-Per step it packs the sequences' new tokens (`SegmentBatch`), builds each layer's metadata from the
-sequences' pages (state page per KDA group, block table per MLA group) and runs
-`HybridLM.run_layers` with `PagedMixer` over the pool's typed views. Logits are formed only for
-sequences whose step reaches their last token (the ones that will sample). The tensors it builds
-(token ids, rows to sample) live on the model's device; the page metadata on the pool's.
+Per step it packs the sequences' new tokens (`SegmentBatch`), hands the mixer each layer's pages
+(state page per KDA group, block table per MLA group: host lists) and runs `HybridLM.run_layers`
+with `PagedMixer` over the pool's typed views. Logits are formed only for sequences whose step
+reaches their last token (the ones that will sample). Token ids and rows to sample join the
+mixer's metadata: the whole step's integers reach the device in one copy (`StepMetadata`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from memory.page_pool import PagePool
 from models.model import HybridLM
-from models.paged import PagedCaches, PagedMixer, PagedStep
+from models.paged import PagedCaches, PagedMixer, PagedStep, StepMetadata
 from models.state import SegmentBatch
 from rollout.cache_manager import CacheManager
 from rollout.scheduler import ScheduledStep
@@ -45,10 +45,14 @@ class ModelRunner:
         their last token, their next-token logits [num_sampling, vocab] float32)."""
         seqs = step.seqs
         batch = SegmentBatch(new_lens=list(step.num_new_tokens), starts=[s.num_computed for s in seqs])
-        device = self.model.output_weight.device
-        token_ids = torch.tensor([t for s, n in zip(seqs, step.num_new_tokens)
-                                  for t in s.tokens[s.num_computed:s.num_computed + n]],
-                                 dtype=torch.long, device=device)  # [N]
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
+        offsets = batch.offsets
+        # Token ids and rows to sample ride in the mixer's one metadata copy (models/paged.py).
+        meta = StepMetadata()
+        token_key = meta.add(t for s, n in zip(seqs, step.num_new_tokens)
+                             for t in s.tokens[s.num_computed:s.num_computed + n])  # [N]
+        every_row = sampling == list(range(len(seqs))) and batch.num_tokens == len(seqs)  # pure decode
+        rows_key = None if every_row else meta.add(offsets[i] + step.num_new_tokens[i] - 1 for i in sampling)
         state_pages, tables = self.cache.state_pages(seqs), self.cache.block_tables(seqs)
         cfg = self.model.config
         evictor = self.cache.evictor
@@ -58,12 +62,10 @@ class ModelRunner:
                           block_tables={i: tables[self.layout.group_of(i)[1]] for i in cfg.mla_layers},
                           impl=self.impl, check=False,
                           kv_starts=[s.kv_len for s in seqs] if evictor is not None else None, kv_observer=observer)
-        hidden = self.model.run_layers(token_ids, PagedMixer(self.views, paged))  # [N, D]
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
-        offsets = batch.offsets
-        last_rows = torch.tensor([offsets[i] + step.num_new_tokens[i] - 1 for i in sampling],
-                                 dtype=torch.long, device=device)  # [num_sampling]
-        logits = F.linear(hidden[last_rows], self.model.output_weight).float()
+        mixer = PagedMixer(self.views, paged, meta)  # moves `meta` to the device
+        hidden = self.model.run_layers(meta[token_key], mixer)  # [N, D]
+        last = hidden if rows_key is None else hidden.index_select(0, meta[rows_key])  # [num_sampling, D]
+        logits = F.linear(last, self.model.output_weight).float()
         for s, n in zip(seqs, step.num_new_tokens):
             s.num_computed += n
         if observer is not None:

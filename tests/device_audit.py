@@ -32,7 +32,8 @@ def resolved(device: torch.device | str | int) -> torch.device:
 class DeviceAudit(TorchFunctionMode):
     """Records, by repository file:line, factory calls that name no device (`implicit`) and ones
     that name a device other than `expected` (`elsewhere`). A draw with a `generator=` on the device
-    it names is never `elsewhere` (per-request generators are CPU generators by design). `seen`
+    it names is never `elsewhere` (per-request generators are CPU generators by design), nor is a
+    pinned host tensor (`pin_memory=True`: a staging buffer for one non-blocking copy). `seen`
     counts every factory call made from the `audited` path prefixes, with a device or not."""
 
     FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty,
@@ -75,7 +76,8 @@ class DeviceAudit(TorchFunctionMode):
                 if device is None:
                     self.implicit[site] += 1
                 elif resolved(device) != self.expected and not (
-                        generator is not None and resolved(device) == resolved(generator.device)):
+                        generator is not None and resolved(device) == resolved(generator.device)) and not (
+                        kwargs.get("pin_memory") and resolved(device).type == "cpu"):  # host staging buffer
                     self.elsewhere[site] += 1
         return func(*args, **kwargs)
 

@@ -78,7 +78,7 @@ def _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens) -> tuple[int, ..
     return B, H, Dc, Dr
 
 
-def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse=False):
+def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse=False, max_seq_len=None):
     """Gathers every sequence's pages (whole blocks, in table order) into one padded
     [B, max_blocks * block_tokens, Dc + Dr] batch, then plain softmax attention. Slots past a
     sequence's seq_len may hold anything (stale or never-written pages, even NaN bit patterns):
@@ -88,7 +88,7 @@ def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale,
     block_tokens, width = cache.shape[1], cache.shape[2]
     f32 = torch.float32
     lens = seq_lens.to(device=q_lat.device, dtype=torch.long)  # [B]
-    num_blocks = -(-int(lens.max()) // block_tokens)
+    num_blocks = -(-(int(lens.max()) if max_seq_len is None else max_seq_len) // block_tokens)
     blocks = torch.arange(num_blocks, device=q_lat.device)  # [nb]
     needed = blocks * block_tokens < lens[:, None]  # [B, nb]
     pages = block_tables[:, :num_blocks].long().masked_fill(~needed, 0)  # [B, nb]
@@ -97,8 +97,9 @@ def _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale,
     valid = torch.arange(num_blocks * block_tokens, device=q_lat.device) < lens[:, None]  # [B, S]
     # Probabilities past seq_len are exactly 0 below, and 0 * finite = 0, so those slots only need
     # clearing when something in the gather is not finite (one cheap sum decides; NaN/inf in a real
-    # slot still reaches the output, as in the reference).
-    if not bool(kv.sum().isfinite()):
+    # slot still reaches the output, as in the reference). Given max_seq_len, the caller wants no
+    # host sync: clear them unconditionally (the same sums: 0 * 0 and 0 * finite are both zeros).
+    if max_seq_len is not None or not bool(kv.sum().isfinite()):
         kv = kv.masked_fill(~valid[..., None], 0.0)  # [B, S, Dc + Dr]
     q = torch.cat([q_lat, q_rope], dim=-1).to(f32)  # [B, H, Dc + Dr]: one product scores both parts
     scores = (q @ kv.transpose(1, 2)) * scale  # [B, H, S]
@@ -256,6 +257,7 @@ def paged_mla_decode(
     impl: str = "naive",
     check: bool = True,
     return_lse: bool = False,
+    max_seq_len: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Absorbed MLA attention of one new token per sequence over its paged latent cache.
 
@@ -277,6 +279,8 @@ def paged_mla_decode(
         return_lse: also return lse [B, H] fp32, the log-sum-exp of the scaled scores: what
             merging with attention over other rows needs (`merge_attention`), and what
             `paged_mla_weights` turns scores into probabilities with.
+        max_seq_len: max(seq_lens) when the caller knows it on the host (the naive path then
+            reads nothing back from the device: no host sync); None = read it from seq_lens.
 
     Returns:
         o_lat: [B, H, Dc] in q_lat's dtype (math in fp32), the attention-weighted latent;
@@ -290,5 +294,5 @@ def paged_mla_decode(
     if check:
         _check_inputs(q_lat, q_rope, cache, block_tables, seq_lens)
     if impl != "triton":  # "naive", or "cpu" (no fused CPU version of this one)
-        return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)
+        return _paged_mla_decode_naive(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse, max_seq_len)
     return _paged_mla_decode_triton(q_lat, q_rope, cache, block_tables, seq_lens, scale, return_lse)
