@@ -56,37 +56,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above).
 
     Stochastic rows draw one uniform number each from their own generator and invert their CDF in
-    one batched search (the same draw whatever else is in the batch); rows that truncate (top-k /
-    top-p) are filtered together by `truncate_rows`. Everything is computed on `logits.device`; the
-    generators are CPU generators (their draws are copied over), and tokens and logprobs come back
-    to the host in one copy.
+    one batched search (the same draw whatever else is in the batch); truncation (top-k / top-p)
+    runs on the whole block at once (`truncate_rows`). Everything is computed on `logits.device`;
+    the generators are CPU generators. Two copies per call: the rows' settings and draws onto the
+    device (one non-blocking copy from pinned memory on a GPU; none when every row is greedy), and
+    tokens and logprobs back to the host (one copy).
+    In a batch mixing greedy and stochastic rows, the greedy rows also run the (row-independent)
+    sampling ops, their draws discarded: cheaper than gathering the stochastic rows by an index.
     """
     logits = logits.float()
-    device = logits.device
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                               device=device)[:, None]  # [B, 1]
-    logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, vocab]
+    device, vocab = logits.device, logits.shape[-1]
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     rows = [b for b, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        index = torch.tensor(rows, device=device)  # [S]
-        kept = logp.index_select(0, index)  # [S, vocab]
-        cut = [j for j, b in enumerate(rows) if params[b].top_k or params[b].top_p < 1.0]
-        if cut:
-            top_k, top_p = [params[rows[j]].top_k for j in cut], [params[rows[j]].top_p for j in cut]
-            if len(cut) == len(rows):
-                kept = truncate_rows(kept, top_k, top_p)
-            else:
-                sub = torch.tensor(cut, device=device)  # [T] rows of kept that truncate
-                kept.index_copy_(0, sub, truncate_rows(kept.index_select(0, sub), top_k, top_p))
-        cdf = kept.exp().cumsum(dim=-1)  # [S, vocab]; dropped tokens add nothing
-        # Drawn on the host from each request's CPU generator (the numbers a seed gives do not
-        # depend on where the model runs), then moved: one copy per step.
-        u = torch.cat([torch.rand(1, generator=generators[b], device="cpu") for b in rows])  # [S] in [0, 1)
-        u = u.to(device)
+    if not rows:  # all greedy: nothing to copy over (logits / 1.0 would be logits, bit for bit)
+        logp = torch.log_softmax(logits, dim=-1)  # [B, vocab]
+    else:
+        # [B, 4] per row: temperature (0 = greedy), top_k (0 = keep all), top_p, uniform draw in
+        # [0, 1); float64 holds each exactly as the float32 / int64 it becomes on the device.
+        top_k = [p.top_k if 0 < p.top_k < vocab and p.temperature > 0 else 0 for p in params]
+        top_p = [p.top_p if p.temperature > 0 else 1.0 for p in params]
+        pinned = device.type == "cuda"  # a staging buffer for one non-blocking copy
+        host = torch.tensor([[p.temperature, k, q, 0.0] for p, k, q in zip(params, top_k, top_p)],
+                            dtype=torch.float64, device="cpu", pin_memory=pinned)  # [B, 4]
+        for b in rows:  # drawn on the host from each request's CPU generator: a seed's numbers do
+            host[b, 3] = torch.rand(1, generator=generators[b], device="cpu")  # not depend on the device
+        settings = host.to(device, non_blocking=True) if pinned else host  # [B, 4]
+        raw_temperature = settings[:, :1].float()  # [B, 1]
+        logp = torch.log_softmax(logits / torch.where(raw_temperature > 0, raw_temperature, 1.0), dim=-1)
+        kept = _truncate(logp, settings[:, 1:2].long(), settings[:, 2:3].float(), max(top_k), min(top_p) < 1.0)
+        cdf = kept.exp().cumsum(dim=-1)  # [B, vocab]; dropped tokens add nothing
+        u = settings[:, 3].float()  # [B]
         # side="right": the first token whose CDF exceeds u * total, never a zero-probability one.
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0]
-        tokens[index] = drawn.clamp_(max=logits.shape[-1] - 1)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0].clamp_(max=vocab - 1)
+        tokens = drawn if len(rows) == len(params) else torch.where(raw_temperature[:, 0] > 0, drawn, tokens)
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
     # One device-to-host copy for both: float64 holds every token id and every float32 logprob exactly.
     host_tokens, host_logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
@@ -97,22 +99,29 @@ def truncate_rows(logp: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     """`truncate` of every row at once: log-probs [R, vocab] with row r's top_k[r] (0 = off) and
     top_p[r] (1 = off) -> [R, vocab], dropped tokens -inf; equal to `truncate` row by row, ties
     included (on CPU the batched sort orders equal values as the one-row sort does: tested).
-    Top-k: one topk of the largest k, each row's threshold its own k-th value. Top-p: one sort of
-    the block, each row's mask from its cumulative mass; rows that keep everything come back as they
-    went in (their sorted values scattered back). Returns a new tensor."""
-    vocab = logp.shape[-1]
-    device = logp.device
+    Returns a new tensor, or logp itself when no row truncates."""
+    vocab, device = logp.shape[-1], logp.device
     k = [kr if 0 < kr < vocab else 0 for kr in top_k]  # 0: this row keeps all (as truncate's guard)
-    if max(k) > 0:
-        k_rows = torch.tensor(k, device=device)[:, None]  # [R, 1]
-        values = logp.topk(max(k), dim=-1).values  # [R, max k], descending
+    return _truncate(logp, torch.tensor(k, device=device)[:, None], torch.tensor(top_p, device=device)[:, None],
+                     max(k), min(top_p) < 1.0)
+
+
+def _truncate(logp: torch.Tensor, k_rows: torch.Tensor, p_rows: torch.Tensor, max_k: int, any_top_p: bool
+              ) -> torch.Tensor:
+    """`truncate_rows` given its settings on the device: k_rows [R, 1] int64 in [0, vocab) (0 = off),
+    p_rows [R, 1] float32 (1 = off), and from the host the largest k and whether any row has
+    top_p < 1 (which steps run at all). Top-k: one topk of the largest k, each row's threshold its
+    own k-th value. Top-p: one sort of the block, each row's mask from its cumulative mass; rows
+    with top_p = 1 come back as they went in (their sorted values scattered back)."""
+    if max_k > 0:
+        values = logp.topk(max_k, dim=-1).values  # [R, max k], descending
         kth = values.gather(1, (k_rows - 1).clamp_(min=0)).masked_fill_(k_rows == 0, float("-inf"))  # [R, 1]
         logp = logp.masked_fill(logp < kth, float("-inf"))
-    if min(top_p) < 1.0:
-        p = torch.tensor(top_p, device=device)[:, None]  # [R, 1] float32, as truncate's comparison
+    if any_top_p:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         probs = torch.softmax(sorted_logp, dim=-1)  # renormalised over what top-k kept
-        drop = ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p (p_rows float32, as truncate's comparison with a float)
+        drop = ((probs.cumsum(-1) - probs) >= p_rows) & (p_rows < 1.0)
         logp = logp.scatter(1, order, sorted_logp.masked_fill(drop, float("-inf")))
     return logp
 
