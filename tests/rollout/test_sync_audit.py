@@ -6,8 +6,10 @@ of them while a decoder layer runs:
   metadata copy; plus PAGE_COPY_COST per `PagePool.copy_pages` call (a fork's copies, the prefix
   cache's checkpoint copies: memory/page_pool.py builds a source and a destination index);
 - the sampler's share (rollout/sampling.py): SAMPLER_SHARE, the sampled tokens and logprobs back.
-So a decode step without page copies makes at most DECODE_BUDGET. Prefill steps are printed with
-their sites. A trainer micro-batch is measured and printed, bounded loosely only.
+So a decode step without page copies makes at most DECODE_BUDGET: asserted for greedy steps; with
+stochastic rows the sampler still copies its rows' settings and draws on their own (one more
+transfer), reported as an expected failure until they join the step's copy. Prefill steps are
+printed with their sites. A trainer micro-batch is measured and printed, bounded loosely only.
 Token eviction (off by default) is not covered: its observer reads attention weights back per layer.
 """
 import copy
@@ -140,7 +142,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=6,
 FORKED = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=3, ignore_eos=True)
 
 
-@pytest.mark.parametrize("case", ["plain", "prefix cache + forks", "many experts"])
+@pytest.mark.parametrize("case", ["greedy", "plain", "prefix cache + forks", "many experts"])
 def test_engine_steps_stay_within_their_sync_budgets(tiny_model, case):
     model = many_experts(tiny_model) if case == "many experts" else copy.deepcopy(tiny_model)
     prefix = PrefixCacheConfig(hash_block=16, model_id="tiny") if case.startswith("prefix") else None
@@ -149,7 +151,7 @@ def test_engine_steps_stay_within_their_sync_budgets(tiny_model, case):
     engine.generate([[2, 3]], GREEDY)  # one-time work (fused weights, kernel probes) is not per step
     shared = [(5 * i + 1) % 256 for i in range(34)]
     prompts = [shared + [3], [9, 8, 7], shared[:20] + [4, 4], [1] * 12]
-    params = [FORKED if prefix else SAMPLED, GREEDY, SAMPLED, GREEDY]
+    params = [GREEDY] * 4 if case == "greedy" else [FORKED if prefix else SAMPLED, GREEDY, SAMPLED, GREEDY]
     steps = audited_generate(engine, prompts, params)
     if prefix:  # a second wave that hits the prefix cache the first registered
         steps += audited_generate(engine, [shared + [6, 7], shared[:33]], [FORKED, GREEDY])
@@ -165,9 +167,11 @@ def test_engine_steps_stay_within_their_sync_budgets(tiny_model, case):
     # With the sampler's share, a decode step without page copies stays within DECODE_BUDGET.
     sampler = [s.counts.sites(prefix=SAMPLER) for s in steps if s.counts.total() - s.counts.total(
         exclude=SAMPLER) > SAMPLER_SHARE]
+    assert case != "greedy" or not sampler, f"the sampler's share of a greedy step exceeds {SAMPLER_SHARE}: {sampler}"
     if sampler:  # rollout/sampling.py is not this test's to fix: reported, not failed
         pytest.xfail(f"the sampler makes more than {SAMPLER_SHARE} sync/transfer in {len(sampler)} of {len(steps)} "
-                     f"steps (so decode steps exceed {DECODE_BUDGET}), e.g. {sampler[0]}")
+                     f"steps (so those decode steps exceed {DECODE_BUDGET}), e.g. {sampler[0]}: its rows' settings "
+                     f"and draws are a copy of their own, not part of the step's metadata copy")
 
 
 def test_the_audit_catches_syncs_planted_in_an_engine_step(tiny_model):
