@@ -7,8 +7,9 @@
 Each path runs `models.mlp` on the same random routing (each token's top-k of uniform scores, so
 the load is even on average). `grouped` is what `Experts(impl="auto")` runs for many experts:
 `torch._grouped_mm` where `models.mlp.grouped_mm_usable` allows it, else the padded form; `padded`
-forces the padded form. Final line:
-moe_grouped_vs_loop=<loop_s / grouped_s> moe_padded_vs_loop=... grouped_backend=... max_rel_err=...
+forces the padded form; `dense` runs every expert on every token (what few experts run). Final line:
+moe_grouped_vs_loop=<loop_s / grouped_s> moe_padded_vs_loop=... moe_dense_vs_loop=... grouped_backend=...
+max_rel_err=...
 (> 1 means faster than the loop; on a GPU the loop also waits for the host once per expert).
 `measure` is the same measurement as a function, for other benchmarks.
 """
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.mlp import experts_grouped, experts_loop, grouped_mm_usable
+from models.mlp import experts_dense, experts_grouped, experts_loop, grouped_mm_usable
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,7 +43,7 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 
 def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype = torch.float32,
             repeats: int = 3, *, backward: bool = False, device: torch.device | None = None) -> dict[str, float | str]:
-    """Median seconds of the loop, grouped and padded expert paths on one random routing, their
+    """Median seconds of the loop, grouped, padded and dense expert paths on one random routing, their
     agreement with the loop (relative error of the output), and the ratios loop_s / path_s.
     backward=True times forward + backward of the output's sum (gradients of x and the weights)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +59,8 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
     weights, ids = routing.values.to(device), routing.indices.to(device)
     paths = {"loop": lambda: experts_loop(x, weights, ids, w1, w2, w3),
              "grouped": lambda: experts_grouped(x, weights, ids, w1, w2, w3),
-             "padded": lambda: experts_grouped(x, weights, ids, w1, w2, w3, padded=True)}
+             "padded": lambda: experts_grouped(x, weights, ids, w1, w2, w3, padded=True),
+             "dense": lambda: experts_dense(x, weights, ids, w1, w2, w3)}
 
     def run(path: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.set_grad_enabled(backward):
@@ -70,10 +72,10 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
     result: dict[str, float | str] = {"grouped_backend": "grouped_mm" if grouped_mm_usable(x, w1) else "padded"}
     outputs = {name: run(path).detach().double() for name, path in paths.items()}
     result["max_rel_err"] = max(((outputs[name] - outputs["loop"]).norm() / outputs["loop"].norm()).item()
-                                for name in ("grouped", "padded"))
+                                for name in ("grouped", "padded", "dense"))
     for name, path in paths.items():
         result[f"{name}_s"] = _median_s(lambda: run(path), device, repeats)
-    for name in ("grouped", "padded"):
+    for name in ("grouped", "padded", "dense"):
         result[f"{name}_vs_loop"] = result["loop_s"] / result[f"{name}_s"]
     return result
 
@@ -94,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"{args.num_experts} experts top-{args.top_k}, hidden {args.hidden}, inter {args.inter}, "
           f"{args.num_tokens} tokens, {args.dtype} on {device}, {'forward+backward' if args.backward else 'forward'}")
-    for name in ("loop", "grouped", "padded"):
+    for name in ("loop", "grouped", "padded", "dense"):
         print(f"  {name:8s} {r[f'{name}_s'] * 1e3:9.2f} ms")
     print(f"moe_grouped_vs_loop={r['grouped_vs_loop']:.2f} moe_padded_vs_loop={r['padded_vs_loop']:.2f} "
-          f"grouped_backend={r['grouped_backend']} max_rel_err={r['max_rel_err']:.2e}")
+          f"moe_dense_vs_loop={r['dense_vs_loop']:.2f} grouped_backend={r['grouped_backend']} max_rel_err={r['max_rel_err']:.2e}")
     return r
 
 

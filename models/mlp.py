@@ -39,8 +39,9 @@ class SwiGLU(nn.Module):
 EXPERT_IMPLS = ("auto", "dense", "grouped", "padded", "loop")
 """`Experts.impl` values. auto: dense when `runs_dense`, else grouped. dense: every expert on every
 token. grouped: rows sorted by expert, three grouped matmuls (`torch._grouped_mm` where it runs
-without a host sync, else the padded form). padded: the grouped path with its static-shape blocked
-batched matmul forced. loop: `experts_loop`, the plain reference (one host sync per expert)."""
+without a host sync, else the padded form or dense, by a static cost model). padded: the grouped
+path with its static-shape blocked batched matmul forced. loop: `experts_loop`, the plain
+reference (one host sync per expert)."""
 
 
 class Experts(nn.Module):
@@ -70,23 +71,25 @@ class Experts(nn.Module):
         if impl == "auto":
             impl = "dense" if self.runs_dense(ids.shape[1]) else "grouped"
         if impl == "dense":
-            return self._dense(x, weights, ids)
+            return experts_dense(x, weights, ids, self.w1, self.w2, self.w3)
         if impl == "loop":
             return experts_loop(x, weights, ids, self.w1, self.w2, self.w3)
         return experts_grouped(x, weights, ids, self.w1, self.w2, self.w3, padded=impl == "padded")
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # Few experts: run every expert on every token (at most 4x the routed FLOPs), as two
-        # matmuls against all experts' weights at once, and fold the routing weights (zero for
-        # unchosen experts) in before the down projection: ~8 ops instead of ~10 per expert.
-        (num_tokens, _), (num_experts, inter, _) = x.shape, self.w1.shape
-        gate = F.linear(x, self.w1.reshape(-1, self.w1.shape[-1]))  # [N, E*I]
-        up = F.linear(x, self.w3.reshape(-1, self.w3.shape[-1]))  # [N, E*I]
-        dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, ids, weights)  # [N, E] routing weights
-        h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
-        down = self.w2.permute(1, 0, 2).reshape(self.w2.shape[1], -1)  # [D, E*I]
-        return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
+
+def experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, as two matmuls against all experts' weights at once, with the
+    routing weights (zero for unchosen experts) folded in before the down projection: ~8 ops
+    instead of ~10 per expert, E / top_k times the routed FLOPs. Shapes as `experts_loop`."""
+    (num_tokens, _), (num_experts, inter, _) = x.shape, w1.shape
+    gate = F.linear(x, w1.reshape(-1, w1.shape[-1]))  # [N, E*I]
+    up = F.linear(x, w3.reshape(-1, w3.shape[-1]))  # [N, E*I]
+    dense = torch.zeros(num_tokens, num_experts, dtype=weights.dtype, device=x.device)
+    dense.scatter_(1, ids, weights)  # [N, E] routing weights
+    h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
+    down = w2.permute(1, 0, 2).reshape(w2.shape[1], -1)  # [D, E*I]
+    return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
 
 
 def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -109,20 +112,25 @@ def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
                     w3: torch.Tensor, *, padded: bool = False) -> torch.Tensor:
     """`experts_loop` without reading the routing on the host. The M = N * top_k (token, slot) rows
     are sorted by expert (stably: tokens ascending within an expert, the loop's order), the three
-    projections run as grouped matmuls over the sorted rows (`torch._grouped_mm` where
-    `grouped_mm_usable`, else `_padded_swiglu`; `padded=True` forces the latter), and the weighted
-    rows are summed back into their tokens. Every shape follows from N, top_k and E alone, so no op
-    waits for the device. Shapes as `experts_loop`; differentiable in x, weights, w1, w2, w3."""
-    num_tokens, top_k = ids.shape
+    projections run as grouped matmuls over the sorted rows, and the weighted rows are summed back
+    into their tokens. The grouped matmuls: `torch._grouped_mm` where `grouped_mm_usable`, else
+    the static-shape blocked form `_padded_swiglu`, or `experts_dense` when `_blocked_beats_dense`
+    says the blocked form's weight gathers cost more (few tokens); `padded=True` forces the blocked
+    form. Every shape follows from N, top_k and E alone, so no op waits for the device.
+    Shapes as `experts_loop`; differentiable in x, weights, w1, w2, w3."""
+    (num_tokens, top_k), num_experts = ids.shape, w1.shape[0]
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
+    grouped_mm = not padded and grouped_mm_usable(x, w1)
+    if not (padded or grouped_mm or _blocked_beats_dense(num_tokens, num_experts, top_k)):
+        return experts_dense(x, weights, ids, w1, w2, w3)
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)  # [M] each
     token = order // top_k  # [M] the token of each sorted row
     # Rows up to the end of each expert, from the sorted ids: torch.bincount would copy the ids' min
     # and max to the host on CUDA (to size its output), searchsorted reads nothing back.
-    ends = torch.searchsorted(sorted_ids, torch.arange(1, w1.shape[0] + 1, device=ids.device))  # [E]
-    if not padded and grouped_mm_usable(x, w1):
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, num_experts + 1, device=ids.device))  # [E]
+    if grouped_mm:
         offs = ends.to(torch.int32)
         h = x[token]  # [M, D]
         h = F.silu(torch._grouped_mm(h, w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
@@ -148,8 +156,7 @@ def _padded_swiglu(x: torch.Tensor, token: torch.Tensor, sorted_ids: torch.Tenso
     of N rows per expert, [E, N, D], is static too but costs the dense path's FLOPs. Padding rows
     and unused trailing blocks compute on token 0's row and are dropped. -> [M, D] in sorted order."""
     num_rows, num_experts = token.shape[0], w1.shape[0]
-    block = -(-num_rows // num_experts)
-    num_blocks = (num_rows + min(num_experts, num_rows) * (block - 1)) // block
+    block, num_blocks = _block_shape(num_rows, num_experts)
     device = token.device
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
     expert_blocks = (counts + block - 1) // block  # [E]
@@ -166,6 +173,27 @@ def _padded_swiglu(x: torch.Tensor, token: torch.Tensor, sorted_ids: torch.Tenso
     h = x[source].view(num_blocks, block, -1)  # [nb, B, D]
     h = F.silu(project(h, w1)) * project(h, w3)  # [nb, B, I]
     return project(h, w2).view(num_blocks * block, -1)[dest]  # [M, D]
+
+
+def _block_shape(num_rows: int, num_experts: int) -> tuple[int, int]:
+    """(rows per block B, blocks nb) of `_padded_swiglu`'s layout for M rows over E experts."""
+    block = -(-num_rows // num_experts)
+    return block, (num_rows + min(num_experts, num_rows) * (block - 1)) // block
+
+
+ROW_COST = 1 / 16
+"""One row through one expert matrix, in units of reading that matrix from memory: fp32 on a CPU
+(~10 GB/s per ~50 GFLOP/s) and on an H200 (4.8 TB/s per ~60 TFLOP/s) both sit near 1/16-1/10."""
+
+
+def _blocked_beats_dense(num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether the blocked form should run rather than the dense path, by a static cost model per
+    projection in matrix reads: blocked = 3 reads per gathered matrix (gather read + write, bmm
+    read) + its rows, dense = every matrix once + N rows each. Blocked wins for a handful of tokens
+    (gathers fewer than E matrices) and for many (FLOPs within 2x the routed ones); dense between
+    (measured on CPU, 64 experts top-8: dense faster at 8-64 tokens, blocked at 1 and 512)."""
+    block, num_blocks = _block_shape(num_tokens * top_k, num_experts)
+    return 3 * num_blocks + ROW_COST * num_blocks * block <= num_experts + ROW_COST * num_tokens * num_experts
 
 
 _GROUPED_MM: dict[tuple, bool] = {}
@@ -186,7 +214,7 @@ def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     if key not in _GROUPED_MM:
         if problem is not None:
             warnings.warn(f"MoE experts: torch._grouped_mm not used ({problem}); running the padded batched "
-                          f"matmul (models/mlp.py _padded_swiglu) instead", stacklevel=3)
+                          f"matmul or the dense path instead (models/mlp.py experts_grouped)", stacklevel=3)
         _GROUPED_MM[key] = problem is None
     return _GROUPED_MM[key]
 
