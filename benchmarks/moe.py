@@ -42,10 +42,11 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 
 
 def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype = torch.float32,
-            repeats: int = 3, *, backward: bool = False, device: torch.device | None = None) -> dict[str, float | str]:
-    """Median seconds of the loop, grouped, padded and dense expert paths on one random routing, their
-    agreement with the loop (relative error of the output), and the ratios loop_s / path_s.
-    backward=True times forward + backward of the output's sum (gradients of x and the weights)."""
+            repeats: int = 3, *, backward: bool = False, device: torch.device | None = None,
+            paths: tuple[str, ...] = ("grouped",)) -> dict[str, float | str]:
+    """Median seconds of the loop and of `paths` (of "grouped", "padded", "dense") on one random
+    routing: `{path}_s`, `{path}_vs_loop` (loop_s / path_s), max_rel_err (the paths' outputs against
+    the loop's) and grouped_backend. backward=True times forward + backward of the output's sum."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(0)
 
@@ -57,10 +58,11 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
     w2 = rand(num_experts, hidden, inter, scale=inter ** -0.5)
     routing = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1)  # [N, top_k] each
     weights, ids = routing.values.to(device), routing.indices.to(device)
-    paths = {"loop": lambda: experts_loop(x, weights, ids, w1, w2, w3),
+    every = {"loop": lambda: experts_loop(x, weights, ids, w1, w2, w3),
              "grouped": lambda: experts_grouped(x, weights, ids, w1, w2, w3),
              "padded": lambda: experts_grouped(x, weights, ids, w1, w2, w3, padded=True),
              "dense": lambda: experts_dense(x, weights, ids, w1, w2, w3)}
+    timed = {name: every[name] for name in ("loop", *paths)}
 
     def run(path: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.set_grad_enabled(backward):
@@ -70,12 +72,12 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
         return out
 
     result: dict[str, float | str] = {"grouped_backend": "grouped_mm" if grouped_mm_usable(x, w1) else "padded"}
-    outputs = {name: run(path).detach().double() for name, path in paths.items()}
+    outputs = {name: run(path).detach().double() for name, path in timed.items()}
     result["max_rel_err"] = max(((outputs[name] - outputs["loop"]).norm() / outputs["loop"].norm()).item()
-                                for name in ("grouped", "padded", "dense"))
-    for name, path in paths.items():
+                                for name in paths)
+    for name, path in timed.items():
         result[f"{name}_s"] = _median_s(lambda: run(path), device, repeats)
-    for name in ("grouped", "padded", "dense"):
+    for name in paths:
         result[f"{name}_vs_loop"] = result["loop_s"] / result[f"{name}_s"]
     return result
 
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     p.add_argument("--backward", action="store_true", help="time forward + backward")
     args = p.parse_args(argv)
     r = measure(args.num_experts, args.top_k, args.hidden, args.inter, args.num_tokens, DTYPES[args.dtype],
-                args.repeats, backward=args.backward)
+                args.repeats, backward=args.backward, paths=("grouped", "padded", "dense"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"{args.num_experts} experts top-{args.top_k}, hidden {args.hidden}, inter {args.inter}, "
           f"{args.num_tokens} tokens, {args.dtype} on {device}, {'forward+backward' if args.backward else 'forward'}")
