@@ -1,0 +1,172 @@
+"""rl/plan.py: the memory planner against measured runs, its verdicts, and the command line.
+
+The planner's figures must be what a run logs in phases.jsonl (rl/orchestrator.py `Phases.memory`),
+consumer by consumer and phase by phase: bytes of the weights, pools, slots, optimizer states,
+reference and spill files exactly; the activation peak (autograd's saved tensors, probed on the meta
+device) within 5% (the probe's loss is a plain sum, the run's the GRPO loss: a few [B, T] tensors)."""
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from models.config import load_model_config
+from models.model import HybridLM
+from models.tokenizer import load_tokenizer
+from rl.plan import main, make_plan, phase_records
+from rl.plan_activation import SavedTensorMeter, activation_peak_bytes
+from rl.plan_config import ClusterConfig, PlanOptions
+from rl.train import run
+from rollout.engine import Engine, EngineConfig
+from tests.rl.test_config import CONFIGS, composed
+from tests.rl.test_train_run import SMALL, records
+from trainer.chunks import ChunkedModel
+from trainer.step import micro_batches
+
+CPU = ClusterConfig()  # configs/cluster/cpu.yaml's shape: one rank
+APPROX = ("device_activation_peak", "device_total")  # the activation peak and the total that holds it
+
+
+def plan_vs_run(run_dir, overrides: list[str], seq_len: int) -> tuple[dict, dict]:
+    """(planned, measured) memory by (iteration, phase) for a 2-iteration run with `overrides`."""
+    cfg = composed(f"run_dir={run_dir}", "experiment.iterations=2", *SMALL, *overrides)
+    history = run(cfg)
+    # Every answer ran to max_new_tokens (no early EOS), so every trajectory has seq_len tokens.
+    assert all(h["train_tokens"] == h["train_sequences"] * cfg.rollout.max_new_tokens for h in history)
+    plan = make_plan(cfg, CPU, PlanOptions(seq_len=seq_len))
+    planned = {(p.iteration, p.phase): p.memory for p in plan.phases}
+    measured = {(r["iteration"], r["phase"]): r["memory"] for r in records(run_dir / "phases.jsonl")}
+    return planned, measured
+
+
+def prompt_len() -> int:
+    """majority_digit's prompt ("384=" with length=3) in the byte tokenizer, bos included."""
+    return len(load_tokenizer("byte").encode("384="))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_planned_bytes_match_the_measured_run_in_every_phase(tmp_path, dtype):
+    overrides = [f"experiment.dtype={dtype}", "memory.spill_dir=nvme", "algo.loss.kl_coef=0.05",
+                 "memory.reference=stream"]
+    planned, measured = plan_vs_run(tmp_path, overrides, seq_len=prompt_len() + 3)
+    assert list(planned) == list(measured), "the planner's phases are the loop's, in order"
+    for key, plan in planned.items():
+        got = measured[key]
+        assert plan.keys() <= got.keys()
+        exact = {k: (v, got[k]) for k, v in plan.items() if k not in APPROX and v != got[k]}
+        assert not exact, f"{key}: planned != measured {exact}"
+        for k in APPROX:
+            assert got[k] == 0 if plan[k] == 0 else abs(plan[k] / got[k] - 1) < 0.05, (key, k, plan[k], got[k])
+    steady = measured[(1, "train")]
+    # the run exercised every tier: spill files, streamed reference, activations, host gradients
+    assert measured[(1, "rollout")]["disk_spilled"] > 0 and steady["host_reference"] > 0
+    assert steady["device_activation_peak"] > 0 and steady["host_grads"] == steady["host_masters"] > 0
+    weight_bytes = 4 if dtype == "fp32" else 2
+    assert steady["device_weights"] < weight_bytes * steady["host_masters"] / 4 * 1.01  # one copy, in dtype
+
+
+def test_resident_reference_host_pool_and_parked_rollouts(tmp_path):
+    """A resident reference is a second model on the device; the host pool is its pages; paused
+    partial rollouts parked over the train phase stay within the planned bound (inside the pool)."""
+    overrides = ["algo.loss.kl_coef=0.05", "memory.reference=resident", "rollout.max_new_tokens=6",
+                 "rollout.budget_tokens=40", "rollout.partial_resume=kv", "memory.host_pool_mb=4"]
+    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, *overrides)
+    run(cfg)
+    plan = make_plan(cfg, CPU, PlanOptions(seq_len=prompt_len() + 6))
+    planned = {(p.iteration, p.phase): p.memory for p in plan.phases}
+    measured = records(tmp_path / "phases.jsonl")
+    assert any(r["memory"]["host_parked"] > 0 for r in measured), "the budget should leave work parked"
+    for r in measured:  # an iteration without finished groups skips train: compare the phases it ran
+        want, got = planned[(min(r["iteration"], 1), r["phase"])], r["memory"]
+        for k in ("device_weights", "device_pool", "device_grad_slots", "device_reference", "host_masters",
+                  "host_pool", "host_reference", "disk_spilled"):
+            assert want[k] == got[k], (r["iteration"], r["phase"], k, want[k], got[k])
+        assert got["host_parked"] <= want["host_parked"] <= want["host_pool"]
+    assert plan.phases[0].memory["device_reference"] == plan.phases[0].memory["device_weights"] > 0
+
+
+def test_activation_probe_equals_the_saved_tensor_meter_of_a_real_step():
+    """Uneven lengths (buckets, padding) and micro-batches: the meta probe and the meter on a real
+    CPU step of the same model and batch agree to the byte."""
+    config = load_model_config(f"{CONFIGS}/model/tiny.yaml")
+    lens = [7, 13, 5, 20, 3]
+    plan = [[lens[i] for i in mb] for mb in micro_batches(lens, 25)]
+    chunked = ChunkedModel(HybridLM(config).init_weights(seed=0, std=0.1), 3)
+    gen = torch.Generator().manual_seed(0)
+    meter = SavedTensorMeter()
+    with meter.hooks():
+        for mb in plan:
+            tokens = torch.randint(0, 256, (sum(mb),), generator=gen)  # [N]
+            chunked.forward_backward(tokens, mb, torch.roll(tokens, -1), lambda lp: -lp.sum())
+    assert meter.peak > 0
+    assert activation_peak_bytes(config, plan, 3) == meter.peak
+
+
+def test_the_largest_pool_fits_and_one_more_mib_does_not():
+    small = ClusterConfig(name="small", gpu_memory_gib=0.1)
+    workload = ["rollout.max_model_len=64", "rollout.groups_per_iteration=2", "algo.group_size=2"]
+    best = make_plan(composed(*workload), small).max_pool_mb
+    assert 16 < best < 100
+    fitting = make_plan(composed(*workload, f"memory.pool_mb={best}"), small)
+    assert fitting.fits and fitting.max_pool_mb == best
+    over = make_plan(composed(*workload, f"memory.pool_mb={best + 1}"), small)
+    assert [(v.tier, v.phase) for v in over.verdicts if not v.fits] == [("device", "load_weights")]
+
+
+def test_the_longest_context_is_the_one_the_engine_accepts():
+    cfg = composed("memory.pool_mb=1")
+    plan = make_plan(cfg, CPU)
+    longest = plan.longest_context(plan.sizes.pool_pages)
+    model = HybridLM(cfg.model)
+    engine = Engine(model, EngineConfig(max_model_len=longest, pool_bytes=1 << 20, show_progress=False))
+    assert engine.pool.num_pages == plan.sizes.pool_pages and engine.layout == plan.sizes.layout
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        Engine(model, EngineConfig(max_model_len=longest + 1, pool_bytes=1 << 20, show_progress=False))
+
+
+def printed(argv: list[str]) -> tuple[int, str]:
+    """(exit status, printed text) of `python -m rl.plan *argv`, run in this process."""
+    console = Console(record=True, width=200, file=io.StringIO())
+    status = main(argv, console)
+    return status, console.export_text()
+
+
+SIZE_48B = ["cluster=h200x8", "model=kimi_linear_48b_a3b", "rollout.max_model_len=512", "trainer.micro_batch_tokens=512",
+            "rollout.groups_per_iteration=8", "algo.group_size=2"]
+
+
+def test_command_line_plans_the_48b_model_on_one_h200_node(tmp_path):
+    status, text = printed([*SIZE_48B, "experiment.dtype=bf16", "trainer.num_chunks=27", "memory.pool_mb=4096",
+                            f"plan.png={tmp_path / 'memory.png'}"])
+    assert status == 0, text
+    for line in ("device (per GPU): fits", "host (per node): fits", "largest memory.pool_mb that fits",
+                 "longest context in this pool", "x 8 ranks (node)", "activation_peak"):
+        assert line in text
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_names_the_tier_that_does_not_fit(tmp_path):
+    # fp32 weights of 48B parameters alone are ~183 GiB: more than an H200
+    status, text = printed([*SIZE_48B, "trainer.num_chunks=27"])
+    assert status == 1
+    assert "device (per GPU): does not fit" in text and "short" in text
+
+
+@pytest.mark.parametrize("argv, message", [(["cluster=h100"], "presets: cpu, h200x8, h200x8x2"),
+                                           (["cluster.gpus=8"], "gpus"),
+                                           (["trainer.num_chunks=0"], "trainer.num_chunks=0")])
+def test_command_line_refuses_a_bad_config_naming_it(tmp_path, argv, message):
+    status, text = printed(argv)
+    assert status == 2 and "bad config" in text and message in text
+
+
+def test_phase_records_are_what_the_memory_plot_reads(tmp_path):
+    from rl.tracking import _plot_memory
+
+    plan = make_plan(composed(), CPU)
+    recs = phase_records(plan)
+    assert [(r["iteration"], r["phase"]) for r in recs] == [(p.iteration, p.phase) for p in plan.phases]
+    json.dumps(recs)  # the phases.jsonl format: plain numbers
+    _plot_memory(recs, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 0
