@@ -60,7 +60,9 @@ def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) 
     register_configs()
     overrides = [f"model={model}", f"experiment.dtype={dtype}", f"run_dir={run_dir}", "tracking.wandb_mode=disabled",
                  "tracking.progress=false", f"rollout.max_model_len={MAX_MODEL_LEN}", "rollout.max_num_batched_tokens=4096",
-                 f"memory.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}", "algo.loss.kl_coef=0"]
+                 f"memory.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}", "algo.loss.kl_coef=0",
+                 # the planner's train batch (groups x group_size sequences) is then the one measured here
+                 "rollout.groups_per_iteration=1", f"algo.group_size={args.train_seqs}"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return to_run_config(compose("config", overrides=overrides))
 
@@ -68,9 +70,13 @@ def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) 
 # ---- measurements ------------------------------------------------------------------------------------
 @dataclass
 class DtypeFigures:
+    cfg: RunConfig
     weight_bytes: int
     engine_extra_bytes: int
     pool_bytes: int
+    """The pool pages the generate used at peak."""
+    pool_allocated_bytes: int
+    """The whole pool (memory.pool_mb worth of pages)."""
     fused_bytes: int
     """CPU-only fused projection copies held while generating (not in device_bytes)."""
     engine_s: float
@@ -81,8 +87,8 @@ class DtypeFigures:
     """Peak of saved tensors + chunk inputs, one live set."""
     saved_bytes: int
     """Peak of the saved tensors alone (what rl/plan_activation.py predicts)."""
-    host_state_bytes: int
-    """The host optimizer's FP32 masters + AdamW moments after the step."""
+    host_state_bytes: dict[str, int]
+    """The host optimizer's bytes by kind after the step (masters, grads, moments)."""
     train_s: float
     loss: float
 
@@ -90,10 +96,11 @@ class DtypeFigures:
     def device_bytes(self) -> int:
         return self.weight_bytes + self.engine_extra_bytes + self.slot_bytes + self.pool_bytes + self.activation_bytes
 
-    def tiers(self) -> dict[str, int]:
-        return {"weights": self.weight_bytes + self.engine_extra_bytes, "grad_slots": self.slot_bytes,
-                "kv_pool": self.pool_bytes, "activations": self.activation_bytes, "device": self.device_bytes,
-                "host_states": self.host_state_bytes}
+    def planned_tiers(self) -> dict[str, int]:
+        """What the memory planner predicts, measured: its `Sizes` field -> bytes."""
+        return {"weights": self.weight_bytes + self.engine_extra_bytes, "pool": self.pool_allocated_bytes,
+                "grad_slots": self.slot_bytes, "activation_peak": self.saved_bytes,
+                "masters": self.host_state_bytes["masters"], "moments": self.host_state_bytes["moments"]}
 
 
 def storage_bytes(tensors) -> dict[int, int]:
@@ -159,7 +166,8 @@ def measure_train_step(trainer: Trainer, seq_lens: list[int], vocab: int) -> tup
 def run_dtype(model: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]], run_dir: Path
               ) -> DtypeFigures:
     """Build the run's parts in `dtype`, generate, put the engine to sleep, train one step."""
-    parts = build(run_config(model, dtype, run_dir, args), resume_from=None)
+    cfg = run_config(model, dtype, run_dir, args)
+    parts = build(cfg, resume_from=None)
     engine, trainer = parts.engine, parts.trainer
     extra = engine_extra_weight_bytes(parts)
     engine_s, tokens, pool_bytes, fused = measure_generate(engine, prompts, args.new_tokens)
@@ -168,10 +176,10 @@ def run_dtype(model: str, dtype: str, args: argparse.Namespace, prompts: list[li
     vocab = min(parts.policy.config.vocab_size, 256)
     train_s, activations, saved, loss = measure_train_step(trainer, [args.train_len] * args.train_seqs, vocab)
     figures = DtypeFigures(
-        weight_bytes=sum(storage_bytes(parts.policy.parameters()).values()), engine_extra_bytes=extra,
-        pool_bytes=pool_bytes, fused_bytes=fused, engine_s=engine_s, tokens=tokens, syncs_per_decode_step=syncs,
+        cfg=cfg, weight_bytes=sum(storage_bytes(parts.policy.parameters()).values()), engine_extra_bytes=extra,
+        pool_bytes=pool_bytes, pool_allocated_bytes=engine.pool.num_pages * engine.pool.page_bytes, fused_bytes=fused, engine_s=engine_s, tokens=tokens, syncs_per_decode_step=syncs,
         slot_bytes=trainer.arena.total_bytes, activation_bytes=activations, saved_bytes=saved,
-        host_state_bytes=trainer.optimizer.host_bytes(), train_s=train_s, loss=loss)
+        host_state_bytes=trainer.optimizer.host_bytes_by_kind(), train_s=train_s, loss=loss)
     del parts, engine, trainer
     gc.collect()
     return figures
@@ -191,16 +199,29 @@ def moe_grouped_vs_loop(cfg: ModelConfig, num_tokens: int) -> float | None:
     return float(result["grouped_vs_loop"])
 
 
-def planner_max_rel_err(cfg: ModelConfig, measured: dict[str, dict[str, int]]) -> float | None:
-    """Max relative error of the memory planner's per-tier bytes (rl/plan.py) vs `measured`
-    ({dtype name: DtypeFigures.tiers()})."""
+def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float | None:
+    """Max relative error, over both dtypes and every consumer it sizes, of the memory planner's
+    bytes (rl/plan_model.py `plan_sizes`, one CPU rank, trajectories of train_len + 1 tokens) vs
+    those measured in the run: weights, the whole pool, grad slots, the saved-tensor peak, host
+    masters and moments (with their step counters). Prints each consumer's error."""
     try:
-        import rl.plan  # noqa: F401
+        from rl.plan_config import ClusterConfig, PlanOptions
+        from rl.plan_model import plan_sizes
     except ImportError as err:
         say(f"planner_max_rel_err: NA ({err})")
         return None
-    say("planner_max_rel_err: NA (rl/plan.py found; its comparison is not wired here yet)")
-    return None
+    errors = []
+    for name, r in runs.items():
+        sizes = plan_sizes(r.cfg, ClusterConfig(), PlanOptions(seq_len=train_len + 1))
+        planned = {"weights": sizes.weights, "pool": sizes.pool, "grad_slots": sizes.grad_slots,
+                   "activation_peak": sizes.activation_peak, "masters": sizes.masters,
+                   "moments": sizes.moments + sizes.moment_steps}
+        measured = r.planned_tiers()
+        row = {k: abs(planned[k] - measured[k]) / measured[k] for k in planned if measured[k]}
+        print(f"planner vs measured, {name}: " + ", ".join(
+            f"{k} {planned[k] / 2**20:.1f}/{measured[k] / 2**20:.1f} MiB ({row[k]:.1%})" for k in row))
+        errors += row.values()
+    return max(errors)
 
 
 def fmt(value: float | int | None, spec: str = ".3g") -> str:
@@ -229,8 +250,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         # One tiny round per dtype first: one-time process costs (lazy imports, the optimizer's
         # extension, thread pools) land there, not on whichever dtype is timed first.
+        # (--quick skips it: its times are not the point.)
         warm = argparse.Namespace(**{**vars(args), "new_tokens": 2, "train_len": 16})
-        for dtype in ("fp32", "bf16"):
+        for dtype in () if args.quick else ("fp32", "bf16"):
             run_dtype("tiny", dtype, warm, prompts[:1], Path(tmp) / f"warm-{dtype}")
         for dtype in ("fp32", "bf16"):
             runs[dtype] = r = run_dtype(model, dtype, args, prompts, Path(tmp) / dtype)
@@ -238,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
                   f"(+ {r.fused_bytes / 2**20:.1f} MiB CPU fused copies while generating), pool used "
                   f"{r.pool_bytes / 2**20:.2f} MiB, grad slots {r.slot_bytes / 2**20:.1f} MiB, activations "
                   f"{r.activation_bytes / 2**20:.1f} MiB (saved alone {r.saved_bytes / 2**20:.1f}), host states "
-                  f"{r.host_state_bytes / 2**20:.1f} MiB; generate {r.engine_s:.2f} s, train step {r.train_s:.2f} s "
+                  f"{sum(r.host_state_bytes.values()) / 2**20:.1f} MiB; generate {r.engine_s:.2f} s, train step {r.train_s:.2f} s "
                   f"(loss {r.loss:.4f})", flush=True)
     cfg = load_model_config(CONFIGS / "model" / f"{model}.yaml")
     fp32, bf16 = runs["fp32"], runs["bf16"]
@@ -248,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
                "engine_extra_weight_bytes": max(r.engine_extra_bytes for r in runs.values()),
                "host_syncs_per_decode_step": max(counted) if counted else None,  # the worse dtype
                "moe_grouped_vs_loop": moe_grouped_vs_loop(cfg, args.train_seqs * args.train_len),
-               "planner_max_rel_err": planner_max_rel_err(cfg, {k: r.tiers() for k, r in runs.items()})}
+               "planner_max_rel_err": planner_max_rel_err(runs, args.train_len)}
     raw = {"bf16_tokens_same_as_fp32": sum(a == b for a, b in pairs) / len(pairs),
            "weights_bf16_vs_fp32": bf16.weight_bytes / fp32.weight_bytes,
            **{f"{k}_{name}": getattr(r, k) for name, r in runs.items() for k in ("device_bytes", "engine_s", "train_s")}}
