@@ -54,7 +54,8 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
         return (torch.randn(shape, generator=gen) * scale).to(device, dtype).requires_grad_(backward)
 
     x = rand(num_tokens, hidden)
-    w1, w3 = rand(num_experts, inter, hidden, scale=hidden ** -0.5), rand(num_experts, inter, hidden, scale=hidden ** -0.5)
+    w1 = rand(num_experts, inter, hidden, scale=hidden ** -0.5)
+    w3 = rand(num_experts, inter, hidden, scale=hidden ** -0.5)
     w2 = rand(num_experts, hidden, inter, scale=inter ** -0.5)
     routing = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1)  # [N, top_k] each
     weights, ids = routing.values.to(device), routing.indices.to(device)
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     for name in ("loop", "grouped", "padded", "dense"):
         print(f"  {name:8s} {r[f'{name}_s'] * 1e3:9.2f} ms")
     print(f"moe_grouped_vs_loop={r['grouped_vs_loop']:.2f} moe_padded_vs_loop={r['padded_vs_loop']:.2f} "
-          f"moe_dense_vs_loop={r['dense_vs_loop']:.2f} grouped_backend={r['grouped_backend']} max_rel_err={r['max_rel_err']:.2e}")
+          f"moe_dense_vs_loop={r['dense_vs_loop']:.2f} grouped_backend={r['grouped_backend']} "
+          f"max_rel_err={r['max_rel_err']:.2e}")
     return r
 
 

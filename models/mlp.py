@@ -207,8 +207,9 @@ def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     align = 16 // x.element_size()
     key: tuple = (x.device.type, x.dtype)
     if x.dtype != w.dtype or w.shape[1] % align or w.shape[2] % align:
-        key, problem = key + tuple(w.shape[1:]), (f"weights {w.dtype} [{w.shape[1]}, {w.shape[2]}] for input {x.dtype}: "
-                                                  f"needs one dtype and dims that are multiples of {align}")
+        key = key + tuple(w.shape[1:])
+        problem = (f"weights {w.dtype} [{w.shape[1]}, {w.shape[2]}] for input {x.dtype}: needs one dtype and "
+                   f"dims that are multiples of {align}")
     elif key not in _GROUPED_MM:
         problem = _grouped_mm_problem(x.device, x.dtype)
     if key not in _GROUPED_MM:
@@ -233,12 +234,12 @@ def _grouped_mm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
                     f"loops over the groups after copying the offsets to the host, a sync per call")
     elif device.type != "cpu":
         return f"not known to run without a host sync on {device.type}"
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # CPU draws, moved: the same inputs on every device
     starts, ends = [0, 3, 3, 8], [3, 3, 8, 17]  # an empty group and uneven ones
     with torch.inference_mode(False), torch.enable_grad():
-        a = torch.randn(17, 16, generator=gen).to(device, dtype).requires_grad_()
-        w = torch.randn(4, 8, 16, generator=gen).to(device, dtype).requires_grad_()
-        grad = torch.randn(17, 8, generator=gen).to(device, dtype)
+        a = torch.randn(17, 16, generator=gen, device="cpu").to(device, dtype).requires_grad_()
+        w = torch.randn(4, 8, 16, generator=gen, device="cpu").to(device, dtype).requires_grad_()
+        grad = torch.randn(17, 8, generator=gen, device="cpu").to(device, dtype)
         try:
             out = torch._grouped_mm(a, w.transpose(1, 2), offs=torch.tensor(ends, dtype=torch.int32, device=device))
             got = (out, *torch.autograd.grad(out, (a, w), grad))

@@ -13,6 +13,7 @@ from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -26,8 +27,9 @@ def problem(num_tokens, top_k, num_experts, dim, inter, dtype=torch.float32, dev
         return (torch.randn(shape, generator=gen) * scale).to(device, dtype).requires_grad_()
 
     x = rand(num_tokens, dim)
-    w1, w3, w2 = rand(num_experts, inter, dim, scale=dim ** -0.5), rand(num_experts, inter, dim, scale=dim ** -0.5), \
-        rand(num_experts, dim, inter, scale=inter ** -0.5)
+    w1 = rand(num_experts, inter, dim, scale=dim ** -0.5)
+    w3 = rand(num_experts, inter, dim, scale=dim ** -0.5)
+    w2 = rand(num_experts, dim, inter, scale=inter ** -0.5)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
     weights = torch.rand(num_tokens, top_k, generator=gen).to(device).requires_grad_()  # float32, as the router's
     return x, weights, ids, w1, w2, w3
@@ -42,8 +44,9 @@ def run(fn, inputs, **kwargs):
 
 
 # (N, top_k, E, D, I): odd token counts; experts left empty (5 * 2 rows for 16 experts: decode);
-# D, I multiples of 4 (fp32's 16 bytes: torch._grouped_mm runs) and not (the padded form runs).
-SIZES = [(37, 3, 11, 20, 12), (5, 2, 16, 16, 8), (63, 8, 64, 32, 16), (29, 4, 9, 17, 13)]
+# D, I multiples of 4 (fp32's 16 bytes: "grouped" runs torch._grouped_mm) and not (it falls back to
+# the dense path at 29x4x9, to the blocked form at 150x2x32; "padded" always runs the blocked form).
+SIZES = [(37, 3, 11, 20, 12), (5, 2, 16, 16, 8), (63, 8, 64, 32, 16), (29, 4, 9, 17, 13), (150, 2, 32, 17, 13)]
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["grouped", "padded"])
