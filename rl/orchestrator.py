@@ -111,6 +111,10 @@ class Phases:
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
             "disk_spilled": optimizer.disk_bytes})
         out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)
+        # Weight copies the engine holds besides the shared parameters: the CPU path's fused
+        # projections while it generates (models/fused.py), dropped when the rollout phase ends; 0
+        # on CUDA. Outside the tier totals (the planner models the GPU layout, which has none).
+        out["engine_weight_copies"] = engine.derived_weight_bytes()
         if "device_alloc_peak" in self._peaks:
             out["device_alloc_peak"] = self._peaks["device_alloc_peak"]
         return out
@@ -206,7 +210,9 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
         if p.release_pool:
             fault(it, "sleep")
             pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
-            phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)
+            phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)  # drops the fused copies too
+        else:
+            p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
         groups = p.driver.take_finished_groups()
         local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
         if p.ranks.world > 1:  # the rollout -> train boundary: every rank has finished its rollout

@@ -311,7 +311,7 @@ class Engine:
             self.cache.prefix.sleep()
         self.pool.release()
         self.runner.invalidate_views()
-        drop_fused(self.model)  # the CPU fused projections are rebuilt at the next step: no copy while asleep
+        self.drop_weight_copies()  # the CPU fused projections are rebuilt at the next step: no copy while asleep
 
     def wake(self) -> None:
         self.pool.reacquire()
@@ -381,6 +381,10 @@ class Engine:
             self.evictor.predictor.calibrate(self.model)  # the partial keys follow the weights
         if self.cache.prefix is not None:
             self.cache.prefix.set_version(version)  # old prefixes were computed by other weights
+
+    def drop_weight_copies(self) -> int:
+        """Drop the fused projection copies (rebuilt at the next step); returns their bytes."""
+        return drop_fused(self.model)
 
     def derived_weight_bytes(self) -> int:
         """Bytes of weight copies the engine holds besides the model's parameters: the fused

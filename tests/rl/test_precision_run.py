@@ -50,6 +50,18 @@ def test_shared_weights_run_equals_the_two_copy_run_bit_for_bit(tmp_path, monkey
     assert [r["bytes_moved"] for r in syncs] == [0, 0]  # a version bump copies nothing
     copies = [r for r in records(copied / "phases.jsonl") if r["phase"] == "load_weights"]
     assert all(r["bytes_moved"] > 0 for r in copies)
+    # phases.jsonl: the weights counted once; the engine's CPU fused copies exist only while it generates
+    shared_phases, copied_phases = records(shared / "phases.jsonl"), records(copied / "phases.jsonl")
+    assert all(2 * a["memory"]["device_weights"] == b["memory"]["device_weights"]
+               for a, b in zip(shared_phases, copied_phases))
+    assert all(r["memory"]["engine_weight_copies"] > 0 for r in shared_phases if r["phase"] == "rollout")
+    assert all(r["memory"]["engine_weight_copies"] == 0 for r in shared_phases if r["phase"] in ("train", "sleep"))
+
+
+def test_without_releasing_the_pool_the_engine_still_drops_its_weight_copies_for_training(tmp_path):
+    run(composed(f"run_dir={tmp_path}", "experiment.iterations=1", *SMALL, "memory.release_pool_in_train=false"))
+    train = [r for r in records(tmp_path / "phases.jsonl") if r["phase"] == "train"]
+    assert train and all(r["memory"]["engine_weight_copies"] == 0 and r["memory"]["device_pool"] > 0 for r in train)
 
 
 def test_a_bf16_run_trains_with_half_the_weight_bytes(tmp_path):
