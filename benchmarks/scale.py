@@ -17,9 +17,13 @@ reference. Measured:
 - (b) one greedy generate: --prompts prompts of 32..63 tokens x --new-tokens new tokens; seconds,
   and the share of bf16's tokens equal to fp32's.
 - (c) one `Trainer.train_step` on --train-seqs random sequences x --train-len tokens; seconds.
-- host syncs of a decode step (tests/sync_audit.py), the MoE's grouped vs per-expert-loop speed at
-  this model's MoE shape (benchmarks/moe.py), and the memory planner's error vs (a) (rl/plan.py).
-A piece that is missing prints `NA` (the reason on stderr), never a stand-in number.
+- host syncs of a decode step (tests/sync_audit.py); the MoE's grouped vs per-expert-loop speed at
+  this model's MoE shape and the train step's token count (benchmarks/moe.py, measured first); the
+  memory planner's relative error (rl/plan_model.py `plan_sizes` on this run's config and train
+  batch) on each consumer it sizes: weights, the whole pool, grad slots, the saved-tensor peak,
+  host masters and moments.
+On CPU the activation peak is mostly the naive chunked KDA's FP32 intermediates (kernels/kda,
+pairwise per-channel decays within a chunk), which bf16 parameters do not shrink.
 Final line: device_bytes_bf16_vs_fp32= engine_extra_weight_bytes= host_syncs_per_decode_step=
 moe_grouped_vs_loop= planner_max_rel_err= (targets: <= 0.55, 0, <= 2, a speed ratio, <= 0.05),
 then the raw figures per dtype.
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,21 +39,21 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.moe import measure as measure_moe
 from benchmarks.train_step import SavedTensorMeter
 from models.config import ModelConfig, load_model_config
 from rl.config import RunConfig, register_configs, to_run_config
 from rl.orchestrator import LoopParts
+from rl.plan_config import ClusterConfig, PlanOptions
+from rl.plan_model import plan_sizes
 from rl.train import build
 from rollout.engine import Engine
 from rollout.sampling import SamplingParams
+from tests.sync_audit import audit_step
 from trainer.step import Trainer
 
 MAX_MODEL_LEN = 256
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-def say(message: str) -> None:
-    print(f"[scale] {message}", file=sys.stderr, flush=True)
 
 
 def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) -> RunConfig:
@@ -81,7 +84,7 @@ class DtypeFigures:
     """CPU-only fused projection copies held while generating (not in device_bytes)."""
     engine_s: float
     tokens: list[list[int]]
-    syncs_per_decode_step: float | None
+    syncs_per_decode_step: float
     slot_bytes: int
     activation_bytes: int
     """Peak of saved tensors + chunk inputs, one live set."""
@@ -126,14 +129,9 @@ def measure_generate(engine: Engine, prompts: list[list[int]], new_tokens: int
             engine.derived_weight_bytes())
 
 
-def host_syncs_per_decode_step(engine: Engine, prompts: list[list[int]], num_steps: int = 4) -> float | None:
+def host_syncs_per_decode_step(engine: Engine, prompts: list[list[int]], num_steps: int = 4) -> float:
     """Mean would-be host syncs of `num_steps` pure decode steps (tests/sync_audit.py), after one
     step that prefills every prompt. Runs the prompts to completion on `engine`."""
-    try:
-        from tests.sync_audit import audit_step
-    except ImportError as err:
-        say(f"host_syncs_per_decode_step: NA ({err})")
-        return None
     params = SamplingParams(temperature=0.0, max_new_tokens=num_steps + 2, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
@@ -185,31 +183,20 @@ def run_dtype(model: str, dtype: str, args: argparse.Namespace, prompts: list[li
     return figures
 
 
-# ---- adapters: pieces built elsewhere; each returns None (printed NA) until its piece exists ----------
-def moe_grouped_vs_loop(cfg: ModelConfig, num_tokens: int) -> float | None:
+# ---- the other pieces' own measurements, at this model's shapes -----------------------------------------
+def moe_grouped_vs_loop(cfg: ModelConfig, num_tokens: int) -> float:
     """Speed of the grouped expert path over the per-expert loop at this model's MoE shape
-    (benchmarks/moe.py, forward + backward, fp32)."""
-    try:
-        from benchmarks.moe import measure
-    except ImportError as err:
-        say(f"moe_grouped_vs_loop: NA ({err})")
-        return None
-    result = measure(cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size,
+    (benchmarks/moe.py, forward + backward, fp32, `num_tokens` tokens: the train step's)."""
+    result = measure_moe(cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size,
                      num_tokens, torch.float32, backward=True, device=torch.device("cpu"))
     return float(result["grouped_vs_loop"])
 
 
-def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float | None:
+def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float:
     """Max relative error, over both dtypes and every consumer it sizes, of the memory planner's
     bytes (rl/plan_model.py `plan_sizes`, one CPU rank, trajectories of train_len + 1 tokens) vs
     those measured in the run: weights, the whole pool, grad slots, the saved-tensor peak, host
     masters and moments (with their step counters). Prints each consumer's error."""
-    try:
-        from rl.plan_config import ClusterConfig, PlanOptions
-        from rl.plan_model import plan_sizes
-    except ImportError as err:
-        say(f"planner_max_rel_err: NA ({err})")
-        return None
     errors = []
     for name, r in runs.items():
         sizes = plan_sizes(r.cfg, ClusterConfig(), PlanOptions(seq_len=train_len + 1))
@@ -224,11 +211,7 @@ def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float 
     return max(errors)
 
 
-def fmt(value: float | int | None, spec: str = ".3g") -> str:
-    return "NA" if value is None else format(value, spec)
-
-
-def main(argv: list[str] | None = None) -> dict[str, float | None]:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the tiny model and small sizes: a smoke run")
     p.add_argument("--model", default=None, help="configs/model/ name (default: kimi_linear_mid, tiny with --quick)")
@@ -246,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
                for n in torch.randint(32, 64, (args.prompts,), generator=gen)]
 
+    cfg = load_model_config(CONFIGS / "model" / f"{model}.yaml")
+    moe = moe_grouped_vs_loop(cfg, args.train_seqs * args.train_len)
     runs: dict[str, DtypeFigures] = {}
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         # One tiny round per dtype first: one-time process costs (lazy imports, the optimizer's
@@ -262,19 +247,17 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
                   f"{r.activation_bytes / 2**20:.1f} MiB (saved alone {r.saved_bytes / 2**20:.1f}), host states "
                   f"{sum(r.host_state_bytes.values()) / 2**20:.1f} MiB; generate {r.engine_s:.2f} s, train step {r.train_s:.2f} s "
                   f"(loss {r.loss:.4f})", flush=True)
-    cfg = load_model_config(CONFIGS / "model" / f"{model}.yaml")
     fp32, bf16 = runs["fp32"], runs["bf16"]
     pairs = [(a, b) for x, y in zip(fp32.tokens, bf16.tokens) for a, b in zip(x, y)]
-    counted = [r.syncs_per_decode_step for r in runs.values() if r.syncs_per_decode_step is not None]
     figures = {"device_bytes_bf16_vs_fp32": bf16.device_bytes / fp32.device_bytes,
                "engine_extra_weight_bytes": max(r.engine_extra_bytes for r in runs.values()),
-               "host_syncs_per_decode_step": max(counted) if counted else None,  # the worse dtype
-               "moe_grouped_vs_loop": moe_grouped_vs_loop(cfg, args.train_seqs * args.train_len),
+               "host_syncs_per_decode_step": max(r.syncs_per_decode_step for r in runs.values()),  # the worse dtype
+               "moe_grouped_vs_loop": moe,
                "planner_max_rel_err": planner_max_rel_err(runs, args.train_len)}
     raw = {"bf16_tokens_same_as_fp32": sum(a == b for a, b in pairs) / len(pairs),
            "weights_bf16_vs_fp32": bf16.weight_bytes / fp32.weight_bytes,
            **{f"{k}_{name}": getattr(r, k) for name, r in runs.items() for k in ("device_bytes", "engine_s", "train_s")}}
-    print(" ".join(f"{k}={fmt(v)}" for k, v in {**figures, **raw}.items()) + f" model={model}")
+    print(" ".join(f"{k}={v:.3g}" for k, v in {**figures, **raw}.items()) + f" model={model}")
     return figures
 
 
