@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, state_positions) -> tuple[int, ...]:
@@ -129,6 +130,33 @@ def _segment_ends(T: int, chunk_len: int, positions: tuple[int, ...]) -> list[in
     return sorted(ends)
 
 
+def _segment(q_s: Tensor, k_s: Tensor, v_s: Tensor, g_s: Tensor, b_s: Tensor, S: Tensor, scale: float
+             ) -> tuple[Tensor, Tensor]:
+    """One segment of `naive_chunk_kda` (derivation there): q_s, k_s, g_s [B, H, L, K], v_s [B, H, L, V],
+    b_s [B, H, L, 1], S [B, H, K, V] the state before it -> (outputs [B, H, L, V], state after it)."""
+    L = q_s.shape[2]
+    G = g_s.cumsum(dim=-2)  # [B, H, L, K]
+    # Pairwise decay exp(G_i - G_j) for j <= i, taken as one difference rather than
+    # exp(G_i) * exp(-G_j) so long segments cannot overflow; j > i is masked to 0.
+    causal = torch.ones(L, L, dtype=torch.bool, device=q_s.device).tril()  # [L, L]
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, H, L(i), L(j), K]
+    decay = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+    kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_s, k_s, decay)  # [B, H, L, L]
+    A = (b_s * kk).tril(diagonal=-1)  # [B, H, L, L] strictly lower
+    eye = torch.eye(L, dtype=torch.float32, device=q_s.device)  # [L, L]
+    V = v_s.shape[-1]
+    rhs = torch.cat([b_s * v_s, b_s * k_s * G.exp()], dim=-1)  # [B, H, L, V + K]
+    uw = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :V], uw[..., V:]  # [B, H, L, V], [B, H, L, K]
+    v_new = u - w @ S  # [B, H, L, V] the delta_i actually written
+    q_scaled = scale * q_s  # [B, H, L, K]
+    qk = torch.einsum("bhik,bhjk,bhijk->bhij", q_scaled, k_s, decay)  # [B, H, L, L] incl. diag
+    o_s = (q_scaled * G.exp()) @ S + qk @ v_new
+    G_last = G[:, :, -1]  # [B, H, K]
+    S = G_last.exp().unsqueeze(-1) * S + (k_s * (G_last.unsqueeze(-2) - G).exp()).transpose(-1, -2) @ v_new
+    return o_s, S
+
+
 def naive_chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -165,35 +193,22 @@ def naive_chunk_kda(
     q, k, v, g = (x.to(torch.float32).transpose(1, 2) for x in (q, k, v, g))  # [B, H, T, *]
     beta = beta.to(torch.float32).transpose(1, 2)  # [B, H, T]
     S = _initial(initial_state, B, H, K, V, q.device)  # [B, H, K, V]
-    o = torch.zeros(B, H, T, V, dtype=torch.float32, device=q.device)  # [B, H, T, V]
     states = [S.clone()] if 0 in positions else []
-    start = 0
+    # Under autograd each segment is recomputed in backward (activation checkpointing): only its
+    # inputs (views of q, k, v, g, beta) and its initial state S are kept, never the [L, L, K]
+    # decay tensors of every segment, so training memory grows linearly with T. Same ops, same
+    # gradients as keeping everything.
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S))
+    pieces, start = [], 0
     for end in _segment_ends(T, chunk_len, positions):
-        L = end - start
-        q_s, k_s, v_s, g_s = (x[:, :, start:end] for x in (q, k, v, g))  # [B, H, L, *]
-        b_s = beta[:, :, start:end].unsqueeze(-1)  # [B, H, L, 1]
-        G = g_s.cumsum(dim=-2)  # [B, H, L, K]
-        # Pairwise decay exp(G_i - G_j) for j <= i, taken as one difference rather than
-        # exp(G_i) * exp(-G_j) so long segments cannot overflow; j > i is masked to 0.
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [L, L]
-        diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, H, L(i), L(j), K]
-        decay = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
-        kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_s, k_s, decay)  # [B, H, L, L]
-        A = (b_s * kk).tril(diagonal=-1)  # [B, H, L, L] strictly lower
-        eye = torch.eye(L, dtype=torch.float32, device=q.device)  # [L, L]
-        rhs = torch.cat([b_s * v_s, b_s * k_s * G.exp()], dim=-1)  # [B, H, L, V + K]
-        uw = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        u, w = uw[..., :V], uw[..., V:]  # [B, H, L, V], [B, H, L, K]
-        v_new = u - w @ S  # [B, H, L, V] the delta_i actually written
-        q_scaled = scale * q_s  # [B, H, L, K]
-        qk = torch.einsum("bhik,bhjk,bhijk->bhij", q_scaled, k_s, decay)  # [B, H, L, L] incl. diag
-        o[:, :, start:end] = (q_scaled * G.exp()) @ S + qk @ v_new
-        G_last = G[:, :, -1]  # [B, H, K]
-        S = G_last.exp().unsqueeze(-1) * S + (k_s * (G_last.unsqueeze(-2) - G).exp()).transpose(
-            -1, -2
-        ) @ v_new
+        args = (q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], g[:, :, start:end],
+                beta[:, :, start:end].unsqueeze(-1), S)
+        o_s, S = (checkpoint(_segment, *args, scale, use_reentrant=False) if recompute
+                  else _segment(*args, scale))
+        pieces.append(o_s)
         if end in positions:
             states.append(S.clone())
         start = end
+    o = torch.cat(pieces, dim=2) if pieces else q.new_zeros(B, H, T, V)  # [B, H, T, V]
     o = o.transpose(1, 2).to(out_dtype)  # [B, T, H, V]
     return o, S, _stack_states(states, B, H, K, V, q.device)
