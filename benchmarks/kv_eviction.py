@@ -42,10 +42,10 @@ class Forced:
         self._run = engine.runner.run
         engine.runner.run = self
 
-    def __call__(self, step):
+    def __call__(self, step, *args):
         held = sum(len(pages) for s in self.engine.scheduler.running for pages in s.mla_pages)
         self.peak_mla_pages = max(self.peak_mla_pages, held)
-        sampling, logits = self._run(step)
+        sampling, logits, settings = self._run(step, *args)
         logits = logits.clone()  # an inference tensor: edit a copy
         for row, index in enumerate(sampling):
             seq = step.seqs[index]
@@ -54,7 +54,7 @@ class Forced:
                 forced = torch.full_like(logits[row], float("-inf"))
                 forced[self.reference[seq.request_id][seq.num_generated]] = 0.0
                 logits[row] = forced
-        return sampling, logits
+        return sampling, logits, settings
 
 
 def run(model: HybridLM, prompts: list[list[int]], new_tokens: int, kv: KVBudgetConfig | None,

@@ -225,8 +225,10 @@ class PagePool(PoolFigures):
                 raise ValueError(f"page pool: copy_pages {s} -> {d}: src group {self._tags[s]} != dst group "
                                  f"{self._tags[d]}, expected equal groups")
         if src:
-            src_t = torch.tensor(src, device=self.device)
-            dst_t = torch.tensor(dst, device=self.device)
+            # both index lists in one staged, non-blocking copy (a pageable copy per list would
+            # block the host twice on CUDA)
+            host = torch.tensor([src, dst], dtype=torch.long, device="cpu", pin_memory=self.device.type == "cuda")
+            src_t, dst_t = host.to(self.device, non_blocking=True)  # [n] each
             self._buffer.index_copy_(0, dst_t, self._buffer.index_select(0, src_t))
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:

@@ -267,12 +267,15 @@ class _Bucket:
         default_factory=dict, init=False, repr=False)
 
     def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(src [n], dst [n], lens [num]) int64 on `device`."""
+        """(src [n], dst [n], lens [num]) int64 on `device` (staged by `PackedMixer.stage`, which
+        moves every bucket's indices in one copy; made here if it was not called)."""
         if device not in self._index:
-            self._index[device] = (torch.tensor(self.src_rows, dtype=torch.long, device=device),
-                                   torch.tensor(self.dst_rows, dtype=torch.long, device=device),
-                                   torch.tensor(self.seq_lens, dtype=torch.long, device=device))
+            self._index[device] = tuple(torch.tensor(v, dtype=torch.long, device=device)
+                                        for v in self.host_lists())
         return self._index[device]
+
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]:
+        return self.src_rows, self.dst_rows, self.seq_lens
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Packed [N, *rest] -> [num, width, *rest] (zeros past each length)."""
@@ -323,6 +326,25 @@ class PackedMixer:
         # one bucket already in packed order: its rows need no regather
         self.in_order = len(self.buckets) == 1 and self.buckets[0].src_rows == list(range(self.num_tokens))
         self._positions: dict[torch.device, torch.Tensor] = {}
+
+    def stage(self, device: torch.device) -> "PackedMixer":
+        """Move every bucket's index tensors and the positions to `device` in one copy (pinned and
+        non-blocking on CUDA), before the layers run: a layer then reads them without a host copy.
+        Idempotent per device; returns self."""
+        if device in self._positions:
+            return self
+        pieces = [v for b in self.buckets for v in b.host_lists()] + [self.batch.position_list()]
+        flat = torch.tensor([x for v in pieces for x in v], dtype=torch.long, device="cpu",
+                            pin_memory=device.type == "cuda")  # [total] every index, back to back
+        moved = flat.to(device, non_blocking=True)
+        views, offset = [], 0
+        for v in pieces:
+            views.append(moved[offset:offset + len(v)])
+            offset += len(v)
+        for i, b in enumerate(self.buckets):
+            b._index[device] = tuple(views[3 * i:3 * i + 3])
+        self._positions[device] = views[-1]
+        return self
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[N] int64 position of every packed token (RoPE), on `device`, built once per device."""

@@ -31,10 +31,10 @@ from models.model import HybridLM
 from models.precision import parse_dtype
 from rollout.cache_manager import CacheManager
 from rollout.kv_eviction import KVBudgetConfig, KVEvictor
-from rollout.model_runner import ModelRunner
+from rollout.model_runner import ModelRunner, sampling_indices
 from rollout.prefix_cache import PrefixCache, PrefixCacheConfig
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
-from rollout.sampling import SamplingParams, sample
+from rollout.sampling import SamplingParams, SamplingRows, sample_rows
 from rollout.scheduler import Scheduler, SchedulerConfig
 
 
@@ -85,6 +85,17 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
         if self.kernel_impl is not None:
             check_impl(self.kernel_impl)
+
+
+def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for ascending host `rows`, as slices of consecutive runs (no index tensor to copy over)."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and r == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, r + 1])
+    return torch.cat([x[a:b] for a, b in runs])
 
 
 class Engine:
@@ -211,25 +222,41 @@ class Engine:
         if self.cache.prefix is not None:
             self.cache.prefix.flush()  # this step's page copies, right before the forward pass
         if scheduled.seqs:
-            sampling, logits = self.runner.run(scheduled)
+            # The sampler's rows are known before the forward: a sequence that reaches its last
+            # token samples once, a prompt with n forks once per fork (from the forks' own
+            # generators, made now). Their settings and draws ride in the step's metadata copy.
+            sampling = sampling_indices(scheduled)
+            plan = [(scheduled.seqs[i], self._fork_generators(scheduled.seqs[i]) if scheduled.seqs[i].num_forks
+                     else [scheduled.seqs[i].generator]) for i in sampling]
+            row_params = [seq.params for seq, gens in plan for _ in gens]
+            rows_plan = SamplingRows.plan(row_params, [g for _, gens in plan for g in gens], self.model.config.vocab_size)
+            _, logits, settings = self.runner.run(scheduled, rows_plan)  # draws written into its metadata copy
             if self.cache.prefix is not None:  # index what this pass computed, before anything finishes
                 for seq in scheduled.seqs:
                     self.cache.prefix.register(seq)
             self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
             seqs: list[Sequence] = []
             rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
-            for row, index in enumerate(sampling):
-                seq = scheduled.seqs[index]
-                children = self._fork(seq) if seq.num_forks else [seq]
+            kept: list[int] = []  # row of the sampler's plan each entry of seqs uses
+            for row, (seq, gens) in enumerate(plan):
+                first = sum(len(g) for _, g in plan[:row])
+                children = self._fork(seq, gens) if seq.num_forks else [seq]
+                if not children:  # the forks fell back to recompute: they sample later, from a fresh generator
+                    for gen in gens:
+                        gen.manual_seed(gen.initial_seed())
                 seqs += children
                 rows += [row] * len(children)
+                kept += list(range(first, first + len(children)))
             if seqs:
                 if len(rows) != logits.shape[0]:
                     # Forks repeat their parent's row (rows ascend): sliced, as an index tensor
                     # would be one more host-to-device copy.
                     logits = torch.cat([logits[r:r + 1].expand(len(list(run)), -1)
                                         for r, run in itertools.groupby(rows)])
-                tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                if len(kept) != len(row_params):  # some forks sample later: drop their rows
+                    settings = None if settings is None else _select_runs(settings, kept)
+                    rows_plan = rows_plan.select(kept)
+                tokens, logprobs = sample_rows(logits, rows_plan, settings if rows_plan.num_stochastic else None)
                 for seq, token, logprob in zip(seqs, tokens, logprobs):
                     self._append(seq, token, logprob)
             done = {s.request_id for s in seqs if s.status is SeqStatus.FINISHED}
@@ -243,12 +270,18 @@ class Engine:
             del self.requests[out.request_id]
         return finished
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Split a prefilled prompt sequence into its n samples (pages shared, states copied)."""
+    @staticmethod
+    def _fork_generators(parent: Sequence) -> list[torch.Generator]:
+        """The CPU generators of a prompt's n samples: fork i is seeded with the request's seed + i."""
+        return [torch.Generator().manual_seed(parent.generator.initial_seed() + i) for i in range(parent.num_forks)]
+
+    def _fork(self, parent: Sequence, generators: list[torch.Generator]) -> list[Sequence]:
+        """Split a prefilled prompt sequence into its n samples (pages shared, states copied), fork i
+        drawing from `generators[i]`. Returns the samples that hold pages (all, or none when the pool
+        cannot take their private copies: then they are queued to recompute the prompt)."""
         request = self.requests[parent.request_id]
         children = [Sequence(next(self._seq_ids), parent.request_id, list(parent.tokens), parent.prompt_len,
-                             parent.params, torch.Generator().manual_seed(parent.generator.initial_seed() + i))
-                    for i in range(parent.num_forks)]
+                             parent.params, generators[i]) for i in range(parent.num_forks)]
         try:
             self.cache.fork(parent, children)
         except OutOfPages:

@@ -16,7 +16,14 @@ from models.model import HybridLM
 from models.paged import PagedCaches, PagedMixer, PagedStep, StepMetadata
 from models.state import SegmentBatch
 from rollout.cache_manager import CacheManager
+from rollout.sampling import SamplingRows
 from rollout.scheduler import ScheduledStep
+
+
+def sampling_indices(step: ScheduledStep) -> list[int]:
+    """Indices into step.seqs whose new tokens reach their last token: the sequences that sample
+    after this step (known before the forward pass)."""
+    return [i for i, (s, n) in enumerate(zip(step.seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
 
 
 class ModelRunner:
@@ -40,15 +47,22 @@ class ModelRunner:
         self._views = None
 
     @torch.inference_mode()  # cheaper per op than no_grad: no version counters or view tracking
-    def run(self, step: ScheduledStep) -> tuple[list[int], torch.Tensor]:
+    def run(self, step: ScheduledStep, sampling: SamplingRows | None = None
+            ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """Compute the step's tokens into the pool. Returns (indices into step.seqs that reached
-        their last token, their next-token logits [num_sampling, vocab] float32)."""
+        their last token (`sampling_indices`), their next-token logits [num_sampling, vocab]
+        float32, the sampler's settings on the device [rows, 4] float64 or None).
+        `sampling`: the sampler's rows (rollout/sampling.py `SamplingRows`), whose settings and draws
+        ride in the step's one metadata copy; None (or all greedy) = nothing to ship."""
         seqs = step.seqs
         batch = SegmentBatch(new_lens=list(step.num_new_tokens), starts=[s.num_computed for s in seqs])
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, step.num_new_tokens)) if s.num_computed + n == s.num_tokens]
+        sampling_rows, sampling = sampling, sampling_indices(step)
         offsets = batch.offsets
-        # Token ids and rows to sample ride in the mixer's one metadata copy (models/paged.py).
+        # Token ids, rows to sample and the sampler's settings ride in the mixer's one metadata
+        # copy (models/paged.py).
         meta = StepMetadata()
+        settings_key = (meta.add_floats(sampling_rows.values, sampling_rows.fill_draws)
+                        if sampling_rows is not None and sampling_rows.num_stochastic else None)
         token_key = meta.add(t for s, n in zip(seqs, step.num_new_tokens)
                              for t in s.tokens[s.num_computed:s.num_computed + n])  # [N]
         every_row = sampling == list(range(len(seqs))) and batch.num_tokens == len(seqs)  # pure decode
@@ -70,4 +84,4 @@ class ModelRunner:
             s.num_computed += n
         if observer is not None:
             evictor.end_step(observer)
-        return sampling, logits
+        return sampling, logits, None if settings_key is None else meta.floats(settings_key)

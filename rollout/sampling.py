@@ -51,44 +51,98 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
+@dataclass
+class SamplingRows:
+    """The sampling settings of one step's rows, built on the host before the forward pass.
+
+    `values` per row: [temperature (0 = greedy), top_k (0 = keep all), top_p, uniform draw in
+    [0, 1)] (float64 holds each exactly as the float32 / int64 it becomes on the device). The draws
+    are left at 0.0 here and written by `fill_draws` into the host tensor that carries the values
+    to the device, from each row's own CPU generator (a seed's numbers do not depend on the device,
+    and no value is ever read back). The engine ships the rows in its step's one metadata copy
+    (models/paged.py `StepMetadata.add_floats`); `sample` alone copies them itself."""
+
+    values: list[list[float]]
+    """[rows][4] as above, draws still 0.0."""
+    generators: list[torch.Generator | None]
+    """Per row, the generator its draw comes from (None for greedy rows)."""
+    max_top_k: int
+    """Largest top_k over the rows (0: no row truncates by rank); a bound after `select`."""
+    any_top_p: bool
+    """Whether some row has top_p < 1; a bound after `select`."""
+
+    @classmethod
+    def plan(cls, params: list[SamplingParams], generators: list[torch.Generator], vocab: int) -> "SamplingRows":
+        top_k = [p.top_k if 0 < p.top_k < vocab and p.temperature > 0 else 0 for p in params]
+        top_p = [p.top_p if p.temperature > 0 else 1.0 for p in params]
+        return cls([[float(p.temperature), float(k), float(q), 0.0] for p, k, q in zip(params, top_k, top_p)],
+                   [g if p.temperature > 0 else None for p, g in zip(params, generators)],
+                   max(top_k, default=0), min(top_p, default=1.0) < 1.0)
+
+    @property
+    def num_stochastic(self) -> int:
+        """Rows with temperature > 0 (0: every row is greedy and nothing needs to reach the device)."""
+        return sum(g is not None for g in self.generators)
+
+    def fill_draws(self, host: torch.Tensor) -> None:
+        """Write each stochastic row's uniform draw into column 3 of `host` ([rows, 4] float64 on the
+        host: the tensor about to carry `values` to the device). Draws once per row and call."""
+        for b, gen in enumerate(self.generators):
+            if gen is not None:
+                host[b, 3] = torch.rand(1, generator=gen, device="cpu")
+
+    def select(self, rows: list[int]) -> "SamplingRows":
+        """The settings of `rows` only (host lists; draws already written stay written). max_top_k
+        and any_top_p stay those of all rows: bounds, which truncate nothing more (each row's own k
+        and p decide)."""
+        return SamplingRows([self.values[r] for r in rows], [self.generators[r] for r in rows], self.max_top_k,
+                            self.any_top_p)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
            ) -> tuple[list[int], list[float]]:
     """Draw one token per row. logits: [B, vocab] -> (token ids, their logprobs as documented above).
 
-    Stochastic rows draw one uniform number each from their own generator and invert their CDF in
-    one batched search (the same draw whatever else is in the batch); truncation (top-k / top-p)
-    runs on the whole block at once (`truncate_rows`). Everything is computed on `logits.device`;
-    the generators are CPU generators. Two copies per call: the rows' settings and draws onto the
-    device (one non-blocking copy from pinned memory on a GPU; none when every row is greedy), and
-    tokens and logprobs back to the host (one copy).
-    In a batch mixing greedy and stochastic rows, the greedy rows also run the (row-independent)
-    sampling ops, their draws discarded: cheaper than gathering the stochastic rows by an index.
+    The rows' settings and draws are built on the host (`SamplingRows`) and copied to the device in
+    one non-blocking copy from pinned memory on a GPU (none when every row is greedy); tokens and
+    logprobs come back in one copy. The engine instead ships the settings in its step's metadata
+    buffer and calls `sample_rows`.
     """
+    rows = SamplingRows.plan(params, generators, logits.shape[-1])
+    settings = None
+    if rows.num_stochastic:
+        pinned = logits.device.type == "cuda"  # a staging buffer for one non-blocking copy
+        host = torch.tensor(rows.values, dtype=torch.float64, device="cpu", pin_memory=pinned)  # [B, 4]
+        rows.fill_draws(host)
+        settings = host.to(logits.device, non_blocking=True) if pinned else host
+    return sample_rows(logits, rows, settings)
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, settings: torch.Tensor | None
+                ) -> tuple[list[int], list[float]]:
+    """`sample` given the rows' settings already on the device: settings [B, 4] float64 (the values
+    of `rows`), None when every row is greedy. One device-to-host copy (tokens and logprobs).
+
+    Stochastic rows invert their CDF at their draw in one batched search (the same draw whatever
+    else is in the batch); truncation (top-k / top-p) runs on the whole block at once
+    (`truncate_rows`). In a batch mixing greedy and stochastic rows, the greedy rows also run the
+    (row-independent) sampling ops, their draws discarded: cheaper than gathering the stochastic
+    rows by an index."""
     logits = logits.float()
-    device, vocab = logits.device, logits.shape[-1]
+    vocab = logits.shape[-1]
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
-    rows = [b for b, p in enumerate(params) if p.temperature > 0]
-    if not rows:  # all greedy: nothing to copy over (logits / 1.0 would be logits, bit for bit)
+    if not rows.num_stochastic:  # all greedy: nothing was copied over (logits / 1.0 would be logits, bit for bit)
         logp = torch.log_softmax(logits, dim=-1)  # [B, vocab]
     else:
-        # [B, 4] per row: temperature (0 = greedy), top_k (0 = keep all), top_p, uniform draw in
-        # [0, 1); float64 holds each exactly as the float32 / int64 it becomes on the device.
-        top_k = [p.top_k if 0 < p.top_k < vocab and p.temperature > 0 else 0 for p in params]
-        top_p = [p.top_p if p.temperature > 0 else 1.0 for p in params]
-        pinned = device.type == "cuda"  # a staging buffer for one non-blocking copy
-        host = torch.tensor([[p.temperature, k, q, 0.0] for p, k, q in zip(params, top_k, top_p)],
-                            dtype=torch.float64, device="cpu", pin_memory=pinned)  # [B, 4]
-        for b in rows:  # drawn on the host from each request's CPU generator: a seed's numbers do
-            host[b, 3] = torch.rand(1, generator=generators[b], device="cpu")  # not depend on the device
-        settings = host.to(device, non_blocking=True) if pinned else host  # [B, 4]
         raw_temperature = settings[:, :1].float()  # [B, 1]
         logp = torch.log_softmax(logits / torch.where(raw_temperature > 0, raw_temperature, 1.0), dim=-1)
-        kept = _truncate(logp, settings[:, 1:2].long(), settings[:, 2:3].float(), max(top_k), min(top_p) < 1.0)
+        kept = _truncate(logp, settings[:, 1:2].long(), settings[:, 2:3].float(), rows.max_top_k, rows.any_top_p)
         cdf = kept.exp().cumsum(dim=-1)  # [B, vocab]; dropped tokens add nothing
         u = settings[:, 3].float()  # [B]
         # side="right": the first token whose CDF exceeds u * total, never a zero-probability one.
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0].clamp_(max=vocab - 1)
-        tokens = drawn if len(rows) == len(params) else torch.where(raw_temperature[:, 0] > 0, drawn, tokens)
+        tokens = drawn if rows.num_stochastic == len(rows.values) else torch.where(raw_temperature[:, 0] > 0,
+                                                                                    drawn, tokens)
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
     # One device-to-host copy for both: float64 holds every token id and every float32 logprob exactly.
     host_tokens, host_logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()

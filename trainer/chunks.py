@@ -86,7 +86,7 @@ class ChunkedModel:
 
     def _forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                           logprob_chunk_len: int) -> torch.Tensor:
-        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
+        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
         hidden = self.model.model.embed_tokens(token_ids)
         for c in range(len(self.specs)):
             hidden = self._run_chunk(c, hidden, mixer)
@@ -110,7 +110,8 @@ class ChunkedModel:
         if sum(seq_lens) != token_ids.numel() or any(n < 1 for n in seq_lens):
             raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
         # Whole sequences from position 0: the batched mixer (one padded batch, no per-sequence loop).
-        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
+        # its index tensors reach the device in one copy, before any layer runs
+        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
 
         def mixer() -> PackedMixer:
             return packed

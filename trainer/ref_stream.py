@@ -215,7 +215,7 @@ class StreamedReference:
         if self.host is None:
             raise RuntimeError("streamed reference: used after close()")
         self.stats = StreamStats()
-        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)))
+        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
         num_slots = self.arena.num_slots
         with self.arena.lend(LEDGER_CONSUMER) as raw, unfused():
             slots = [s.view(torch.uint8) for s in raw]  # [slot_capacity] bytes each

@@ -166,3 +166,21 @@ def test_a_kda_only_model_runs_without_mla_pages():
     (out,) = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     assert out.samples[0].tokens == greedy_reference(model, [1, 2, 3, 4, 5], 6)[0]
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_forks_that_fall_back_to_recompute_sample_what_forking_would(tiny_model, monkeypatch):
+    """The sampler's rows are drawn before the forward pass (their draws ride in the step's metadata
+    copy); forks that cannot get private pages are recomputed later and must draw their first token
+    afresh: a pool too small to fork gives the same seeded samples as a large one."""
+    import rollout.engine
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, n=3, seed=7, ignore_eos=True)
+    prompt = list(range(10, 40))
+    forked = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=64, show_progress=False))
+    expected = [s.tokens for s in forked.generate([prompt], params)[0].samples]
+    resets = []
+    reset = rollout.engine.CacheManager.reset
+    monkeypatch.setattr(rollout.engine.CacheManager, "reset", lambda self, seq: (resets.append(seq), reset(self, seq)))
+    small = Engine(tiny_model, EngineConfig(num_pages=4, max_model_len=64, show_progress=False))
+    assert [s.tokens for s in small.generate([prompt], params)[0].samples] == expected
+    assert resets, "the small pool was meant to refuse the forks' private pages"

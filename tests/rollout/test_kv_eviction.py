@@ -235,14 +235,14 @@ def test_compaction_right_after_a_prefix_hit_keeps_the_true_rows(tiny_model):
     checked = []
     run_step = eng.runner.run
 
-    def run_checked(step):
+    def run_checked(step, *args):
         for seq in step.seqs:
             if seq.kv is not None and seq.kv.pruned and not checked:
                 rows = eng.evictor._gather(seq, torch.arange(seq.kv_len))  # [n, mla layers, W]
                 for i, layer in enumerate(eng.evictor.mla_layers):
                     torch.testing.assert_close(rows[:, i], state.mla[layer][seq.kv.positions], rtol=1e-5, atol=1e-5)
                 checked.append(seq.kv.positions.tolist())
-        return run_step(step)
+        return run_step(step, *args)
 
     eng.runner.run = run_checked
     hits = eng.cache.prefix.hit_tokens
