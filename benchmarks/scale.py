@@ -7,11 +7,13 @@ Per dtype, the parts come from `rl.train.build` (the policy drawn in FP32 from t
 cast to `experiment.dtype`, the engine on the policy's own tensors, the trainer with FP32 gradient
 slots and host AdamW), with `rollout.max_model_len=256`, `trainer.num_chunks=--chunks`, no KL
 reference. Measured:
-- (a) device bytes, summed as if nothing were released between phases: the policy's weights + the
-  engine's weight storage not shared with the policy + the trainer's gradient slots (FP32 in both
-  dtypes, allocated bytes) + the KV pool pages the generate used (peak pages x page bytes, not the
-  configured pool) + the train step's activation peak (tensors saved for backward and each VPP
-  chunk's kept input, one live set: benchmarks/train_step.py's meter). Not counted: host states
+- (a) device bytes, the peak over the iteration's phases: the policy's weights + the engine's
+  weight storage not shared with the policy + the trainer's gradient slots (FP32 in both dtypes,
+  allocated bytes), plus the larger of the KV pool pages the generate used (peak pages x page
+  bytes, not the configured pool; released while training) and the train step's activation peak
+  (tensors saved for backward and each VPP chunk's kept input, one live set:
+  benchmarks/train_step.py's meter). --chunks defaults to one layer per VPP chunk, the leanest
+  split (two slots of the largest chunk's FP32 gradients). Not counted: host states
   (FP32 masters, AdamW moments), and the CPU-only fused projection copies the engine makes while it
   generates (printed; dropped at sleep, none on CUDA).
 - (b) one greedy generate: --prompts prompts of 32..63 tokens x --new-tokens new tokens; seconds,
@@ -22,8 +24,9 @@ reference. Measured:
   memory planner's relative error (rl/plan_model.py `plan_sizes` on this run's config and train
   batch) on each consumer it sizes: weights, the whole pool, grad slots, the saved-tensor peak,
   host masters and moments.
-On CPU the activation peak is mostly the naive chunked KDA's FP32 intermediates (kernels/kda,
-pairwise per-channel decays within a chunk), which bf16 parameters do not shrink.
+The FP32 gradient slots are the same bytes in both dtypes, so the ratio is bounded below by
+(2 W + S) / (4 W + S) for W parameters and S slot bytes: at this model's 12 layers S is a large
+share (at the 48B shape's 27 layers, with one MoE layer per chunk, S ~ 0.3 B/parameter).
 Final line: device_bytes_bf16_vs_fp32= engine_extra_weight_bytes= host_syncs_per_decode_step=
 moe_grouped_vs_loop= planner_max_rel_err= (targets: <= 0.55, 0, <= 2, a speed ratio, <= 0.05),
 then the raw figures per dtype.
@@ -97,7 +100,11 @@ class DtypeFigures:
 
     @property
     def device_bytes(self) -> int:
-        return self.weight_bytes + self.engine_extra_bytes + self.slot_bytes + self.pool_bytes + self.activation_bytes
+        """The run's device peak over its phases: weights and gradient slots are held throughout;
+        the KV pool only while generating (released for training, memory.release_pool_in_train),
+        the activations only while training."""
+        return self.weight_bytes + self.engine_extra_bytes + self.slot_bytes + max(self.pool_bytes,
+                                                                                  self.activation_bytes)
 
     def planned_tiers(self) -> dict[str, int]:
         """What the memory planner predicts, measured: its `Sizes` field -> bytes."""
@@ -219,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (4 with --quick)")
     p.add_argument("--train-seqs", type=int, default=2)
     p.add_argument("--train-len", type=int, default=None, help="default 256 (32 with --quick)")
-    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=None, help="VPP chunks (default: one per layer)")
     p.add_argument("--pool-mb", type=int, default=256)
     args = p.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "kimi_linear_mid")
@@ -230,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                for n in torch.randint(32, 64, (args.prompts,), generator=gen)]
 
     cfg = load_model_config(CONFIGS / "model" / f"{model}.yaml")
+    args.chunks = args.chunks or cfg.num_hidden_layers
     moe = moe_grouped_vs_loop(cfg, args.train_seqs * args.train_len)
     runs: dict[str, DtypeFigures] = {}
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
