@@ -96,7 +96,7 @@ class Phases:
         host = engine.host
         # paused sequences' host pages over a sleep (rollout/engine.py `_park_paused`); a page shared
         # by forks is one page
-        parked = {s for kda, mla in getattr(engine, "_parked", {}).values() for s in kda + [x for g in mla for x in g]}
+        parked = {s for kda, mla in engine._parked.values() for s in kda + [x for g in mla for x in g]}
         kinds = optimizer.host_bytes_by_kind()
         out = with_totals({
             "device_weights": weights,

@@ -15,7 +15,6 @@ run draws its memory.png (rl/tracking.py), from the same records phases.jsonl wo
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +24,12 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from memory.layout import CacheLayout
 from rl.config import RunConfig, register_configs, to_run_config
 from rl.plan_config import GIB, ClusterConfig, PlanOptions
 from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, plan_phases, plan_sizes
 from rl.tracking import _plot_memory
+from trainer.chunks import split_chunks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -36,7 +37,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 @dataclass(frozen=True)
 class Verdict:
     tier: str
-    """"device" (per GPU), "host" (per node), "disk" (per node) or "device+host" (device_is_host)."""
+    """"device" (per GPU), "host" (per node), "disk" (per node), "device+host" (device_is_host), or
+    "pool": one sequence of rollout.max_model_len in the KV pool (the engine refuses to start otherwise)."""
     need_bytes: int
     """The most the tier holds in any phase."""
     capacity_bytes: int
@@ -103,10 +105,16 @@ def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pla
         verdicts = [verdict("device", lambda p: p.memory["device_total"], device_cap),
                     verdict("host", lambda p: ranks * p.memory["host_total"], host_cap)]
     verdicts.append(verdict("disk", lambda p: ranks * p.memory["disk_total"], int(cluster.nvme_gib * GIB)))
-    # The pool gets whatever device memory the phases that hold it leave free.
+    longest = cfg.rollout.max_model_len
+    if cfg.rollout.kv_budget_tokens is not None:  # a KV budget caps what one sequence holds
+        longest = min(longest, cfg.rollout.kv_budget_tokens)
+    verdicts.append(Verdict("pool", _pages_for(sizes.layout, longest) * sizes.layout.page_bytes, sizes.pool, "rollout"))
+    # The pool gets whatever device memory the phases that hold it leave free (all of them when it
+    # is not released for training).
+    holding = [p for p in phases if not cfg.memory.release_pool_in_train
+               or p.phase in ("wake", "load_weights", "rollout")]
     headroom = [device_cap - (p.memory["device_total"] - p.memory["device_pool"])
-                - (p.memory["host_total"] if cluster.device_is_host else 0)
-                for p in phases if p.memory["device_pool"]]
+                - (p.memory["host_total"] if cluster.device_is_host else 0) for p in holding]
     return Plan(cfg, cluster, sizes, phases, verdicts, max(0, min(headroom, default=0)) >> 20)
 
 
@@ -125,7 +133,7 @@ def render(plan: Plan, console: Console) -> None:
     steady = plan.steady()
     console.print(f"[bold]memory plan[/bold]: model {cfg.model.num_hidden_layers} layers, "
                   f"{fmt_bytes(sizes.weights)} of weights "
-                  f"({getattr(cfg.experiment, 'dtype', 'fp32')}), cluster {cluster.name}: {cluster.nodes} x "
+                  f"({cfg.experiment.dtype}), cluster {cluster.name}: {cluster.nodes} x "
                   f"{cluster.gpus_per_node} ranks (world {cluster.world}); trainer.num_chunks={cfg.trainer.num_chunks}, "
                   f"memory.pool_mb={cfg.memory.pool_mb}, memory.reference={cfg.memory.reference}, "
                   f"memory.spill_dir={cfg.memory.spill_dir}, {sizes.num_train_tokens:,} trained tokens per rank "
@@ -154,22 +162,31 @@ def render(plan: Plan, console: Console) -> None:
                      "*parked: an upper bound, inside pool")
     console.print(table)
     for v in plan.verdicts:
-        scope = "per GPU" if v.tier == "device" else "per node"
+        scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.rollout.max_model_len:,}"}.get(
+            v.tier, "per node")
         if v.fits:
             console.print(f"{v.tier} ({scope}): fits, {fmt_bytes(v.need_bytes)} of {fmt_bytes(v.capacity_bytes)} "
                           f"at most (in {v.phase})")
         else:
             console.print(f"[red]{v.tier} ({scope}): does not fit[/red]: {fmt_bytes(v.need_bytes)} in {v.phase}, "
                           f"{fmt_bytes(v.capacity_bytes)} available ({fmt_bytes(v.need_bytes - v.capacity_bytes)} short)")
+    peaks = sizes.chunk_activation_peaks
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    layers = split_chunks(cfg.model.num_hidden_layers, cfg.trainer.num_chunks)[top].layers
+    kinds = ", ".join(f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)
+    console.print(f"activation peak: chunk {top} of {len(peaks)} (layers {layers.start}-{layers.stop - 1}: {kinds}"
+                  f"{', head' if top == len(peaks) - 1 else ''}{', embedding' if top == 0 else ''}), "
+                  f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
+                  f"smallest chunk peak {fmt_bytes(min(peaks))}")
     layout = sizes.layout
     console.print(f"KV pool: {sizes.pool_pages:,} pages of {fmt_bytes(layout.page_bytes)} ({layout.block_tokens} "
                   f"tokens per MLA page); one sequence of rollout.max_model_len={cfg.rollout.max_model_len:,} "
-                  f"takes {_pages_for(plan, cfg.rollout.max_model_len)} pages; longest context in this pool: "
-                  f"{_tokens(plan.longest_context(sizes.pool_pages))}")
+                  f"takes {_pages_for(layout, cfg.rollout.max_model_len)} pages; longest context in this pool: "
+                  f"{_tokens(plan.longest_context(sizes.pool_pages))} (rollout KV only: train at that length is another plan.seq_len)")
     max_pages = (plan.max_pool_mb << 20) // layout.page_bytes
     console.print(f"largest memory.pool_mb that fits: {plan.max_pool_mb:,} ({max_pages:,} pages; longest context "
                   f"{_tokens(plan.longest_context(max_pages))}, "
-                  f"{max_pages // max(1, _pages_for(plan, cfg.rollout.max_model_len)):,} sequences of max_model_len "
+                  f"{max_pages // max(1, _pages_for(layout, cfg.rollout.max_model_len)):,} sequences of max_model_len "
                   f"at once)")
     if cfg.memory.spill_dir is not None:
         seconds = cluster.gpus_per_node * sizes.spill_payload / (cluster.nvme_gb_s * 1e9)
@@ -177,8 +194,8 @@ def render(plan: Plan, console: Console) -> None:
                       f"way for the node's {cluster.gpus_per_node} ranks at {cluster.nvme_gb_s} GB/s")
 
 
-def _pages_for(plan: Plan, tokens: int) -> int:
-    layout = plan.sizes.layout
+def _pages_for(layout: CacheLayout, tokens: int) -> int:
+    """Pages one private sequence of `tokens` tokens holds (rollout/cache_manager.py `pages_for_tokens`)."""
     return len(layout.kda_groups) + len(layout.mla_groups) * layout.mla_pages_for(tokens)
 
 

@@ -74,6 +74,15 @@ class SavedTensorMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 
+_MAX_SHADOW_NUMEL = 1 << 24
+"""Outputs larger than this keep no values (an [L, L] causal mask, say: nothing needs its values, and
+computing them for real would cost what the meta device saves); data-dependent ops still get theirs."""
+
+
+def _numel(out) -> int:
+    return sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
 class _FromData(TorchFunctionMode):
     """`torch.tensor(values, device="meta")` does not pass through dispatch modes: give its result
     the values it was built from (the shadow's entry point for python lists)."""
@@ -125,7 +134,7 @@ class _IndexShadow(TorchDispatchMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             self._balanced_indices(out[1], args[0].shape[dim])
             return out
-        if not known:
+        if not known or (out is not None and _numel(out) > _MAX_SHADOW_NUMEL):
             self._forget_mutated(func, args)
             return out
         real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
@@ -157,6 +166,8 @@ class _IndexShadow(TorchDispatchMode):
 
     def _forget_mutated(self, func, args) -> None:
         """An op with unknown inputs that writes into a shadowed tensor makes its copy stale."""
+        if not func._schema.is_mutable or not self.values:
+            return
         for arg, x in zip(func._schema.arguments, args):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(x, torch.Tensor):
                 self.values.pop(x, None)
@@ -168,11 +179,24 @@ def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Seq
     list of sequence lengths, run one after the other as the trainer does), for a model of
     `model_config` with parameters in `dtype` (models/precision.py's rule: a few stay FP32), split
     into `num_chunks` VPP chunks. Runs on the meta device: allocates nothing of the model's size."""
+    return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len))
+
+
+def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
+                           dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024) -> list[int]:
+    """Per VPP chunk, the saved-tensor peak while it is recomputed and backpropagated (max over the
+    micro-batches); the step's peak is their max (nothing is saved in the no-grad forward before)."""
     with torch.device("meta"):
         model = HybridLM(model_config)
     cast_parameters(model, dtype)
     chunked = ChunkedModel(model, num_chunks)
     meter, shadow = SavedTensorMeter(), _IndexShadow()
+    peaks = [0] * num_chunks
+
+    def chunk_done(chunk: int) -> None:
+        peaks[chunk] = max(peaks[chunk], meter.peak)
+        meter.peak = meter.live  # the next chunk's window starts here
+
     done: set[tuple[int, ...]] = set()
     for lens in micro_batches:
         key = tuple(lens)  # the mixer's buckets and row order follow the lengths in order
@@ -185,8 +209,9 @@ def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Seq
             warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
             tokens = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
             targets = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
+            meter.peak = meter.live
             chunked.forward_backward(tokens, list(lens), targets, lambda logp: -logp.sum(),
-                                     logprob_chunk_len=logprob_chunk_len)
+                                     on_chunk_done=chunk_done, logprob_chunk_len=logprob_chunk_len)
         for p in model.parameters():
             p.grad = None
-    return meter.peak
+    return peaks

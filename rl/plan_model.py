@@ -41,7 +41,7 @@ from memory.spill_format import _plan as spill_plan
 from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
-from rl.plan_activation import activation_peak_bytes
+from rl.plan_activation import chunk_activation_peaks
 from rl.plan_config import ClusterConfig, PlanOptions
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
@@ -60,6 +60,8 @@ class Sizes:
     pool_pages: int
     grad_slots: int
     activation_peak: int
+    chunk_activation_peaks: list[int]
+    """Per VPP chunk, its saved-tensor peak (activation_peak is their max)."""
     reference_device: int
     masters: int
     moments: int
@@ -73,12 +75,16 @@ class Sizes:
     spill_files: int
     spill_payload: int
     layout: CacheLayout
-    num_train_tokens: int
-    """This rank's trained tokens per step (the micro-batches the activation peak was probed on)."""
+    micro_batches: list[list[int]]
+    """This rank's trained sequence lengths per micro-batch (what the activation peak was probed on)."""
+
+    @property
+    def num_train_tokens(self) -> int:
+        return sum(sum(b) for b in self.micro_batches)
 
 
 def run_dtype(cfg: RunConfig) -> torch.dtype:
-    return parse_dtype(getattr(cfg.experiment, "dtype", "fp32"))
+    return cfg.experiment.torch_dtype
 
 
 def meta_policy(cfg: RunConfig) -> HybridLM:
@@ -91,7 +97,7 @@ def meta_policy(cfg: RunConfig) -> HybridLM:
 def cache_layout(cfg: RunConfig) -> CacheLayout:
     """The engine's page geometry (rollout/engine.py: MLA cache in the output weight's dtype)."""
     return CacheLayout.for_model(cfg.model, cache_dtype=meta_policy(cfg).output_weight.dtype,
-                                 state_dtype=parse_dtype(getattr(cfg.rollout, "kda_state_dtype", "fp32")))
+                                 state_dtype=parse_dtype(cfg.rollout.kda_state_dtype))
 
 
 def _param_bytes(params) -> int:
@@ -150,17 +156,18 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         spill_files += manifest.file_bytes
         spill_payload += manifest.payload_bytes
     batches = train_micro_batches(cfg, cluster, options)
+    chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg))
     return Sizes(
         weights=weights, pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
         grad_slots=max(s * world for s in shards) * 4 * t.num_grad_slots,
-        activation_peak=activation_peak_bytes(cfg.model, batches, t.num_chunks, run_dtype(cfg)),
+        activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
         reference_device=weights if kl and cfg.memory.reference == "resident" else 0,
         masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, t.num_chunks),
         grads=4 * sum(shards), host_pool=host_pages * layout.page_bytes,
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=_reference_host_bytes(model, chunked) if kl and cfg.memory.reference == "stream" else 0,
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
-        layout=layout, num_train_tokens=sum(sum(b) for b in batches))
+        layout=layout, micro_batches=batches)
 
 
 @dataclass(frozen=True)
