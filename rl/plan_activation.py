@@ -19,9 +19,13 @@ copy of every tensor computed only from known values (python lists, other shadow
 small integer index tensors) and runs those ops on the copies. Router top-k indices have no
 values on meta: they are shadowed as a balanced assignment (row n takes experts n*k .. n*k+k-1
 mod E). The routed path's bytes depend on how many token-expert pairs there are (N * k), not on
-how they split, so the figure holds for any routing that reaches every expert. On the meta device
-the MoE takes its padded grouped form (models/mlp.py `_padded_swiglu`: each expert's rows padded
-to a block), a slight overestimate of the `torch._grouped_mm` form a bf16 H100/H200 runs.
+how they split, so the figure holds for any routing that reaches every expert.
+
+Which MoE form runs depends on the device (models/mlp.py `grouped_mm_usable`): `torch._grouped_mm`
+(bf16 on SM90/SM100 GPUs, and on CPUs), else the padded blocked form, which saves a gathered copy
+of the expert weights per block for backward (tens of GiB at the 48B shape). The meta device has
+no verdict of its own, so the caller says which form the planned device takes (`grouped_mm`);
+meta's `_grouped_mm` takes bf16 only, so other dtypes probe the padded form (an overestimate).
 """
 from __future__ import annotations
 
@@ -30,11 +34,14 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from unittest import mock
+
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+import models.mlp
 from models.config import ModelConfig
 from models.model import HybridLM
 from models.precision import cast_parameters
@@ -174,18 +181,27 @@ class _IndexShadow(TorchDispatchMode):
 
 
 def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
-                          dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024) -> int:
+                          dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
+                          grouped_mm: bool = False) -> int:
     """The saved-tensor peak (`SavedTensorMeter`) of one training step over `micro_batches` (each a
     list of sequence lengths, run one after the other as the trainer does), for a model of
     `model_config` with parameters in `dtype` (models/precision.py's rule: a few stay FP32), split
     into `num_chunks` VPP chunks. Runs on the meta device: allocates nothing of the model's size."""
-    return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len))
+    return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len, grouped_mm))
 
 
 def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
-                           dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024) -> list[int]:
+                           dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
+                           grouped_mm: bool = False) -> list[int]:
     """Per VPP chunk, the saved-tensor peak while it is recomputed and backpropagated (max over the
-    micro-batches); the step's peak is their max (nothing is saved in the no-grad forward before)."""
+    micro-batches); the step's peak is their max (nothing is saved in the no-grad forward before).
+    grouped_mm: the planned device runs routed experts through torch._grouped_mm (module docstring)."""
+
+    def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+        align = 16 // x.element_size()  # grouped_mm_usable's stride rule (dims of 16-byte multiples)
+        return (grouped_mm and x.dtype == w.dtype == torch.bfloat16
+                and not (w.shape[1] % align or w.shape[2] % align))
+
     with torch.device("meta"):
         model = HybridLM(model_config)
     cast_parameters(model, dtype)
@@ -204,8 +220,8 @@ def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Se
             continue
         done.add(key)
         num_tokens = sum(lens)
-        with _FromData(shadow), shadow, meter.hooks(), warnings.catch_warnings():
-            # the MoE says once that it takes its padded form on meta: expected here (module docstring)
+        with (_FromData(shadow), shadow, meter.hooks(), warnings.catch_warnings(),
+              mock.patch.object(models.mlp, "grouped_mm_usable", usable)):
             warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
             tokens = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
             targets = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]

@@ -31,6 +31,10 @@ class ClusterConfig:
     """NVMe bandwidth of one node, GB/s (10^9 bytes), shared by its ranks: spill / restore seconds."""
     device_is_host: bool = False
     """The "device" is host memory (experiment.device=cpu): device and host tiers share host_dram_gib."""
+    grouped_mm_bf16: bool = False
+    """The GPU runs the MoE's bf16 experts through torch._grouped_mm (SM90/SM100: H100, H200, B200;
+    models/mlp.py `grouped_mm_usable`), else the padded blocked form, whose saved expert-weight
+    gathers cost far more activation memory. A device_is_host cluster asks this machine's CPU."""
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "nodes"):

@@ -10,8 +10,9 @@ the very helper, of the code that allocates it:
   rollout.kda_state_dtype) times memory.pool_mb // page_bytes pages, as `PagePool.from_bytes`.
 - device grad slots: num_grad_slots FP32 slots of the largest VPP chunk, padded to a multiple of
   the world (`split_chunks` + `ChunkedModel.chunk_parameters`, ShardedHostAdamW's padding).
-- device activation peak: `rl/plan_activation.activation_peak_bytes`, the trainer's own chunk
-  forward/backward on the meta device for this rank's micro-batches.
+- device activation peak: `rl/plan_activation.chunk_activation_peaks`, the trainer's own chunk
+  forward/backward on the meta device for this rank's micro-batches, the MoE in the form the
+  planned device runs (`moe_grouped_mm`).
 - device reference: a resident reference (memory.reference=resident) is a second model in the
   run's dtype; a streamed one borrows the grad slots (0 extra).
 - host masters / grads / moments: per chunk one FP32 shard of ceil(numel / world) elements each;
@@ -38,6 +39,7 @@ import torch
 from memory.layout import CacheLayout
 from memory.nvme_store import NvmeStoreConfig
 from memory.spill_format import _plan as spill_plan
+from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
@@ -124,6 +126,17 @@ def _steps_bytes(cfg: RunConfig, num_chunks: int) -> int:
     return 4 * num_chunks if cfg.trainer.optimizer.backend == "torch" else 0
 
 
+def moe_grouped_mm(model: HybridLM, cluster: ClusterConfig) -> bool:
+    """Whether the planned device runs the routed experts through torch._grouped_mm: the cluster's
+    GPU says (bf16 only), a device_is_host cluster asks this machine (models/mlp.py `grouped_mm_usable`)."""
+    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    if experts is None:
+        return False
+    if cluster.device_is_host:
+        return grouped_mm_usable(torch.empty(0, experts.w1.shape[2], dtype=experts.w1.dtype), experts.w1)
+    return cluster.grouped_mm_bf16 and experts.w1.dtype == torch.bfloat16
+
+
 def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions) -> list[list[int]]:
     """Sequence lengths of this rank's micro-batches: the rank with the most groups (ceil of the
     global groups over the world) trains group_size trajectories per group, each of seq_len - 1
@@ -156,7 +169,8 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         spill_files += manifest.file_bytes
         spill_payload += manifest.payload_bytes
     batches = train_micro_batches(cfg, cluster, options)
-    chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg))
+    chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg),
+                                         grouped_mm=moe_grouped_mm(model, cluster))
     return Sizes(
         weights=weights, pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
         grad_slots=max(s * world for s in shards) * 4 * t.num_grad_slots,

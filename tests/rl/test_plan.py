@@ -4,6 +4,7 @@ The planner's figures must be what a run logs in phases.jsonl (rl/orchestrator.p
 consumer by consumer and phase by phase: bytes of the weights, pools, slots, optimizer states,
 reference and spill files exactly; the activation peak (autograd's saved tensors, probed on the meta
 device) within 5% (the probe's loss is a plain sum, the run's the GRPO loss: a few [B, T] tensors)."""
+import dataclasses
 import io
 import json
 
@@ -13,10 +14,12 @@ from rich.console import Console
 
 from models.config import load_model_config
 from models.model import HybridLM
+from models.precision import cast_parameters
 from models.tokenizer import load_tokenizer
 from rl.plan import main, make_plan, phase_records
 from rl.plan_activation import SavedTensorMeter, activation_peak_bytes
 from rl.plan_config import ClusterConfig, PlanOptions
+from rl.plan_model import moe_grouped_mm
 from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import CONFIGS, composed
@@ -101,6 +104,22 @@ def test_activation_probe_equals_the_saved_tensor_meter_of_a_real_step():
             chunked.forward_backward(tokens, mb, torch.roll(tokens, -1), lambda lp: -lp.sum())
     assert meter.peak > 0
     assert activation_peak_bytes(config, plan, 3) == meter.peak
+
+
+def test_activation_probe_follows_the_moe_form_the_device_runs():
+    """Routed experts (32 experts, top-2: not the dense path) in bf16: the probe, told the form this
+    CPU takes (torch._grouped_mm or the padded blocks, models/mlp.py), equals the real step's meter;
+    the other form saves a different amount (the choice matters, so it is the device's to make)."""
+    config = dataclasses.replace(load_model_config(f"{CONFIGS}/model/tiny.yaml"), num_experts=32, num_expert_group=1)
+    lens = [40, 30, 50]
+    model = cast_parameters(HybridLM(config).init_weights(seed=0, std=0.1), torch.bfloat16)
+    tokens = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))  # [N]
+    meter = SavedTensorMeter()
+    with meter.hooks():
+        ChunkedModel(model, 4).forward_backward(tokens, lens, torch.roll(tokens, -1), lambda lp: -lp.sum())
+    grouped = moe_grouped_mm(model, ClusterConfig(device_is_host=True))
+    assert activation_peak_bytes(config, [lens], 4, torch.bfloat16, grouped_mm=grouped) == meter.peak
+    assert activation_peak_bytes(config, [lens], 4, torch.bfloat16, grouped_mm=not grouped) != meter.peak
 
 
 def test_the_largest_pool_fits_and_one_more_mib_does_not():
