@@ -129,7 +129,9 @@ class Phases:
         if name != "train":
             yield
             return
-        meter, optimizer = SavedTensorMeter(), self.trainer.optimizer
+        models = [self.policy, self.engine.model] + ([self.ref_model] if isinstance(self.ref_model, HybridLM) else [])
+        meter = SavedTensorMeter(exclude=[t for m in models for t in (*m.parameters(), *m.buffers())])
+        optimizer = self.trainer.optimizer
         device = self.trainer.arena.device
         grads = [0]
 

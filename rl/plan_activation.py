@@ -2,8 +2,9 @@
 
 What "activation peak" means here (the same quantity on both sides): the most bytes of tensors
 that autograd saves for backward that are alive at once during the step, each storage counted
-once (`SavedTensorMeter`: a saved-tensor pack hook records a storage the first time it is saved,
-`weakref.finalize` forgets it when the storage is freed). The trainer recomputes one VPP chunk at
+once, the model's own parameters and buffers not counted (they are the weights; matmuls save
+them, or views of them, for backward) (`SavedTensorMeter`: a saved-tensor pack hook records a
+storage the first time it is saved, `weakref.finalize` forgets it when the storage is freed). The trainer recomputes one VPP chunk at
 a time (trainer/chunks.py), so this is about one chunk's graph for the largest micro-batch. Not
 in it: the chunk-boundary hidden states kept by the no-grad forward ([N, D] per chunk), gradients
 of activations in flight during backward, and op temporaries (the [chunk_len, vocab] logits of
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from unittest import mock
@@ -49,9 +50,11 @@ from trainer.chunks import ChunkedModel
 
 
 class SavedTensorMeter:
-    """Live and peak bytes of the storages autograd saves for backward (each storage once).
+    """Live and peak bytes of the storages autograd saves for backward (each storage once), except
+    the `exclude`d tensors' storages: a model's parameters and buffers, which every matmul saves for
+    its input gradient but which are weights, counted as such, and alive whatever backward does.
 
-        meter = SavedTensorMeter()
+        meter = SavedTensorMeter(exclude=model.parameters())
         with meter.hooks():
             loss.backward() ...          # meter.peak: the largest live total seen
 
@@ -59,14 +62,15 @@ class SavedTensorMeter:
     pointer). Hooks are thread-local and nest: inside a checkpointed region the checkpoint's own
     hooks apply, which save no activation."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.live, self.peak = 0, 0
         self._seen: dict[int, int] = {}
+        self._excluded = {t.untyped_storage()._cdata for t in exclude}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage._cdata
-        if key not in self._seen:
+        if key not in self._seen and key not in self._excluded:
             nbytes = storage.nbytes()
             self._seen[key] = nbytes
             self.live += nbytes
@@ -206,7 +210,7 @@ def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Se
         model = HybridLM(model_config)
     cast_parameters(model, dtype)
     chunked = ChunkedModel(model, num_chunks)
-    meter, shadow = SavedTensorMeter(), _IndexShadow()
+    meter, shadow = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()]), _IndexShadow()
     peaks = [0] * num_chunks
 
     def chunk_done(chunk: int) -> None:

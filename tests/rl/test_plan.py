@@ -97,7 +97,7 @@ def test_activation_probe_equals_the_saved_tensor_meter_of_a_real_step():
     plan = [[lens[i] for i in mb] for mb in micro_batches(lens, 25)]
     chunked = ChunkedModel(HybridLM(config).init_weights(seed=0, std=0.1), 3)
     gen = torch.Generator().manual_seed(0)
-    meter = SavedTensorMeter()
+    meter = SavedTensorMeter(exclude=[*chunked.model.parameters(), *chunked.model.buffers()])
     with meter.hooks():
         for mb in plan:
             tokens = torch.randint(0, 256, (sum(mb),), generator=gen)  # [N]
@@ -114,7 +114,7 @@ def test_activation_probe_follows_the_moe_form_the_device_runs():
     lens = [40, 30, 50]
     model = cast_parameters(HybridLM(config).init_weights(seed=0, std=0.1), torch.bfloat16)
     tokens = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))  # [N]
-    meter = SavedTensorMeter()
+    meter = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()])
     with meter.hooks():
         ChunkedModel(model, 4).forward_backward(tokens, lens, torch.roll(tokens, -1), lambda lp: -lp.sum())
     grouped = moe_grouped_mm(model, ClusterConfig(device_is_host=True))
