@@ -19,12 +19,17 @@ def test_memory_reference_is_validated():
 def test_streamed_reference_run_equals_resident_run(tmp_path):
     results = {}
     for mode in ("stream", "resident"):
+        # 6 groups of 8: at least one group with unequal rewards in the first iteration, so the first
+        # update moves the policy (the KL term alone has zero gradient at the reference)
         cfg = composed(f"run_dir={tmp_path / mode}", "experiment.iterations=2", "algo.loss.kl_coef=0.1",
-                       f"memory.reference={mode}", "tracking.plots=false", *SMALL)
+                       f"memory.reference={mode}", "tracking.plots=false", *SMALL, "algo.group_size=8",
+                       "rollout.groups_per_iteration=6")
         history = run(cfg)
-        assert len(history) == 2 and all(h["groups_trained"] == 4 for h in history)
+        assert len(history) == 2 and all(h["groups_trained"] == 6 for h in history)
         results[mode] = (history, load_file(tmp_path / mode / "checkpoints" / "iter_000001" / "model.safetensors"))
     (streamed, w_stream), (resident, w_resident) = results["stream"], results["resident"]
+    # the reference runs the policy's own ops on its own weights: exactly zero before any update
+    assert streamed[0]["loss/kl"] == 0.0
     assert streamed[1]["loss/kl"] > 0, "after one update the policy differs from the reference"
     assert [h["loss/kl"] for h in streamed] == [h["loss/kl"] for h in resident]
     assert w_stream.keys() == w_resident.keys() and all((w_stream[k] == w_resident[k]).all() for k in w_stream)
