@@ -18,15 +18,25 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rl.orchestrator import LoopParts
+from rl.ranks import Ranks
+from rl.rollout import RolloutDriver
+from trainer.step import Trainer
 
 
-def save_iteration(p: LoopParts, iteration: int) -> Path:
+class CheckpointParts(Protocol):
+    """What a checkpoint reads and restores (rl/orchestrator.py's `LoopParts` is one)."""
+
+    trainer: Trainer
+    driver: RolloutDriver
+    ranks: Ranks
+    checkpoint_dir: Path
+
+
+def save_iteration(p: CheckpointParts, iteration: int) -> Path:
     """Write iteration `iteration`'s checkpoint (trainer, rollout state, RNG) atomically: into a
     temporary directory renamed into place, then `latest` updated; older ones removed. Collective
     over the ranks: on return the checkpoint is complete for every rank."""
@@ -75,7 +85,7 @@ def check_world_size(info: dict, world: int, checkpoint_dir: Path) -> None:
                          f"not {world}")
 
 
-def load_latest(p: LoopParts) -> int | None:
+def load_latest(p: CheckpointParts) -> int | None:
     """Restore the last complete iteration's checkpoint (this rank's shard and state); returns its
     iteration (None if none). A checkpoint of another world size raises ValueError."""
     info = latest_info(p.checkpoint_dir)

@@ -96,10 +96,9 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
         if sum(lens) != rows.numel():
             raise RuntimeError(f"micro-batch of sequences {seqs} has {sum(lens)} rows, the trainer passed "
                                f"{rows.numel()}: policy_update's plan and the trainer's disagree")
-        index = torch.tensor([[j for j, n in enumerate(lens) for _ in range(n)],
-                              [t for n in lens for t in range(n)]], dtype=torch.long)  # [2, n] on the host
-        if rows.device.type == "cuda":
-            index = index.pin_memory()  # a non-blocking copy needs page-locked memory
+        # [2, n] staged on the host (page-locked on CUDA: a non-blocking copy needs it)
+        index = torch.tensor([[j for j, n in enumerate(lens) for _ in range(n)], [t for n in lens for t in range(n)]],
+                             dtype=torch.long, device="cpu", pin_memory=rows.device.type == "cuda")
         local, cols = index.to(rows.device, non_blocking=True)  # [n] each: padded row and column of each row
 
         def pad(x: torch.Tensor, fill=0.0) -> torch.Tensor:

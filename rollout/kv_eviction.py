@@ -46,6 +46,7 @@ from models.model import HybridLM
 from rollout.kv_policy import EvictionPolicy, heavy_hitters, lookup_policy, register_policy
 from rollout.kv_predictor import PartialKeyPredictor
 from rollout.request import Sequence
+from rollout.seq_kv import SeqKV, long_tensor
 
 __all__ = ["EvictionPolicy", "KVBudgetConfig", "KVEvictor", "PartialKeyPredictor", "SeqKV", "StepObserver",
            "heavy_hitters", "lookup_policy", "register_policy"]
@@ -102,43 +103,6 @@ class KVBudgetConfig:
         return self.budget_tokens - self.sink_tokens - self.recent_tokens
 
 
-# ---- per-sequence state ---------------------------------------------------------------------------
-def _long(values=()) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long)
-
-
-@dataclass
-class SeqKV:
-    """Where a sequence's MLA entries are: slot i on the device holds token `positions[i]`."""
-
-    positions: torch.Tensor
-    """[n] long: token position of each resident slot, in slot order."""
-    scores: torch.Tensor
-    """[n] float64: attention each resident token has received (summed over heads and layers)."""
-    off_positions: torch.Tensor = field(default_factory=_long)
-    """[m] long: offloaded tokens (InfiniGen)."""
-    off_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    off_rows: torch.Tensor = field(default_factory=_long)
-    """[m] host token store rows."""
-    off_partial: list[torch.Tensor] = field(default_factory=list)
-    """Per MLA layer, [m, r] partial keys of the offloaded tokens (device)."""
-    num_dropped: int = 0
-    pruned: bool = False
-    """Sticky: the resident slots are no longer the full prefix."""
-
-    @classmethod
-    def fresh(cls, num_tokens: int) -> "SeqKV":
-        return cls(torch.arange(num_tokens), torch.zeros(num_tokens, dtype=torch.float64))
-
-    @property
-    def length(self) -> int:
-        return self.positions.numel()
-
-    @property
-    def num_offloaded(self) -> int:
-        return self.off_positions.numel()
-
-
 # ---- the evictor ----------------------------------------------------------------------------------
 class KVEvictor:
     """Keeps every sequence within its MLA budget; the engine's cache manager calls it."""
@@ -187,7 +151,7 @@ class KVEvictor:
             return
         children[0].kv = kv
         for child in children[1:]:
-            rows = self.store.store(self.store.load(kv.off_rows)) if kv.num_offloaded else _long()
+            rows = self.store.store(self.store.load(kv.off_rows)) if kv.num_offloaded else long_tensor()
             partial = [p.clone() for p in kv.off_partial]
             self._partial_bytes += sum(p.numel() * p.element_size() for p in partial)
             child.kv = SeqKV(kv.positions.clone(), kv.scores.clone(), kv.off_positions.clone(), kv.off_scores.clone(),
@@ -373,7 +337,7 @@ class StepObserver:
         for r, i in enumerate(seqs):
             kv = self.seqs[i].kv
             if not kv.num_offloaded:
-                chosen.append(_long())
+                chosen.append(long_tensor())
             elif q is None:
                 chosen.append(torch.arange(kv.num_offloaded))
             else:

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from rollout.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from rollout.kv_eviction import SeqKV
+from rollout.seq_kv import SeqKV
 
 
 class SeqStatus(enum.Enum):
@@ -55,7 +51,7 @@ class Sequence:
     """Admission counter: preemption picks the most recently admitted sequence."""
     turn_boundaries: tuple[int, ...] = ()
     """Token positions where conversation turns end (the request's; the prefix cache checkpoints there)."""
-    kv: "SeqKV | None" = None
+    kv: SeqKV | None = None
     """With a KV budget (rollout/kv_eviction.py): which tokens its MLA slots hold; None = all of them."""
 
     @property
