@@ -213,7 +213,8 @@ def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float:
     masters and moments (with their step counters). Prints each consumer's error."""
     errors = []
     for name, r in runs.items():
-        sizes = plan_sizes(r.cfg, ClusterConfig(), PlanOptions(seq_len=train_len + 1))
+        # this machine: one CPU process, the "device" is the host (the MoE form the CPU runs)
+        sizes = plan_sizes(r.cfg, ClusterConfig(name="cpu", device_is_host=True), PlanOptions(seq_len=train_len + 1))
         planned = {"weights": sizes.weights, "pool": sizes.pool, "grad_slots": sizes.grad_slots,
                    "activation_peak": sizes.activation_peak, "masters": sizes.masters,
                    "moments": sizes.moments + sizes.moment_steps}
