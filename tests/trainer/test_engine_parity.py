@@ -8,8 +8,9 @@ from rollout.sampling import SamplingParams
 from trainer.chunks import ChunkedModel
 
 
-def test_trainer_logprobs_match_engine_logprobs():
-    model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=5, std=0.1).eval()
+def trainer_and_engine_logprobs(model: HybridLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample 2 x 3 trajectories with the engine, then score them with the trainer's chunk path:
+    (trainer logprobs, engine logprobs) of the sampled tokens, [num sampled] float32 each."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 40, 77)]
     engine = Engine(model, EngineConfig(num_pages=64, max_model_len=128, max_num_batched_tokens=32,
@@ -26,8 +27,12 @@ def test_trainer_logprobs_match_engine_logprobs():
     token_ids = torch.tensor([t for s in seqs for t in s])
     targets = torch.cat([torch.tensor(s[1:] + [0]) for s in seqs])  # next token (last one unused)
     logp = ChunkedModel(model, 3).forward_logprobs(token_ids, [len(s) for s in seqs], targets)
-    ours = torch.cat([logp[start:start + n] for start, n in spans])
-    expected = torch.tensor(engine_logp)
+    return torch.cat([logp[start:start + n] for start, n in spans]), torch.tensor(engine_logp)
+
+
+def test_trainer_logprobs_match_engine_logprobs():
+    model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=5, std=0.1).eval()
+    ours, expected = trainer_and_engine_logprobs(model)
     assert ((ours - expected).norm() / expected.norm()).item() <= 1e-5
 
 
@@ -47,23 +52,7 @@ def test_bf16_trainer_and_engine_logprobs_agree_within_bf16_noise():
 
     model = cast_parameters(HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=5, std=0.1),
                             torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 40, 77)]
-    engine = Engine(model, EngineConfig(num_pages=64, max_model_len=128, max_num_batched_tokens=32,
-                                        show_progress=False))
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=20, seed=3, n=2,
-                                                   ignore_eos=True))
-    seqs, engine_logp, spans = [], [], []
-    for prompt, out in zip(prompts, outs):
-        for sample in out.samples:
-            spans.append((sum(len(s) for s in seqs) + len(prompt) - 1, len(sample.tokens)))
-            seqs.append(prompt + sample.tokens)
-            engine_logp += sample.logprobs
-    token_ids = torch.tensor([t for s in seqs for t in s])
-    targets = torch.cat([torch.tensor(s[1:] + [0]) for s in seqs])
-    logp = ChunkedModel(model, 3).forward_logprobs(token_ids, [len(s) for s in seqs], targets)
-    ours = torch.cat([logp[start:start + n] for start, n in spans])
-    expected = torch.tensor(engine_logp)
+    ours, expected = trainer_and_engine_logprobs(model)
     diff = (ours - expected).abs()
     print(f"bf16 trainer vs engine: mean |d logp| {diff.mean():.4f}, p90 {diff.quantile(0.9):.4f}, "
           f"max {diff.max():.4f}, max |d p| {(ours.exp() - expected.exp()).abs().max():.4f}")
