@@ -16,29 +16,14 @@ max_rel_err=...
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.kernels import bench
 from models.mlp import experts_dense, experts_grouped, experts_loop, grouped_mm_usable
+from models.precision import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype = torch.float32,
@@ -77,7 +62,7 @@ def measure(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: i
     result["max_rel_err"] = max(((outputs[name] - outputs["loop"]).norm() / outputs["loop"].norm()).item()
                                 for name in paths)
     for name, path in timed.items():
-        result[f"{name}_s"] = _median_s(lambda: run(path), device, repeats)
+        result[f"{name}_s"] = bench(lambda: run(path), device, repeats)
     for name in paths:
         result[f"{name}_vs_loop"] = result["loop_s"] / result[f"{name}_s"]
     return result
