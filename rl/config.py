@@ -21,6 +21,7 @@ from models.precision import check_dtype_supported, parse_dtype
 from rl.tracking import TrackingConfig
 from rollout.kv_eviction import KVBudgetConfig, lookup_policy
 from rollout.sampling import SamplingParams
+from trainer.chunks import CHUNK_SPLITS
 from trainer.losses import LossConfig
 from trainer.optimizer import OptimizerConfig
 
@@ -174,6 +175,10 @@ class MemoryConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainSchema:
     num_chunks: int = 2
+    chunk_split: str = "layers"
+    """How the model is cut into chunks (trainer/chunks.py CHUNK_SPLITS): "layers" (equal layer
+    counts; num_chunks <= layers) or "params" (the smallest largest chunk, the embedding and the head
+    as units of their own; num_chunks <= layers + 2): the gradient slots are sized for the largest."""
     num_grad_slots: int = 2
     max_bad_steps: int = 3
     micro_batch_tokens: int | None = None
@@ -183,6 +188,8 @@ class TrainSchema:
     def __post_init__(self) -> None:
         if self.num_chunks < 1:
             raise ValueError(f"trainer.num_chunks={self.num_chunks}, expected >= 1")
+        if self.chunk_split not in CHUNK_SPLITS:
+            raise ValueError(f"trainer.chunk_split={self.chunk_split!r}, expected one of {CHUNK_SPLITS}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or null")
 
@@ -262,6 +269,12 @@ class RunConfig:
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
                              "memory.release_pool_in_train=true frees the device pool for training and there is no "
                              "host KV pool to park it in; set memory.host_pool_mb > 0 or release_pool_in_train=false")
+        layers, t = self.model.num_hidden_layers, self.trainer
+        most = layers + 2 if t.chunk_split == "params" else layers
+        if t.num_chunks > most:
+            raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
+                             f"with trainer.chunk_split={t.chunk_split!r}"
+                             + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
 
 
 def _writable(node: Any) -> None:

@@ -285,7 +285,7 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
     """One policy update on this rank's groups (maybe none), the loss normalised by the global
     counts of policy tokens and sequences (`num_tokens`, `num_seqs`, summed over ranks)."""
     batch = PackedBatch(groups, p.advantage, device=p.device)
-    ref = (reference_logprobs(p.ref_model, batch, p.num_chunks)
+    ref = (reference_logprobs(p.ref_model, batch, p.num_chunks, p.trainer.config.chunk_split)
            if p.ref_model is not None and batch.num_sequences else None)
     with p.tracker.train_progress(total_steps=1) as bar:
         metrics = policy_update(p.trainer, batch, p.loss, p.micro_batch_tokens, ref,

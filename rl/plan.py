@@ -27,9 +27,9 @@ from rich.table import Table
 from memory.layout import CacheLayout
 from rl.config import RunConfig, register_configs, to_run_config
 from rl.plan_config import GIB, ClusterConfig, PlanOptions
-from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, plan_phases, plan_sizes
+from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, meta_policy, plan_phases, plan_sizes
 from rl.tracking import _plot_memory
-from trainer.chunks import split_chunks
+from trainer.chunks import chunk_specs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -172,10 +172,12 @@ def render(plan: Plan, console: Console) -> None:
                           f"{fmt_bytes(v.capacity_bytes)} available ({fmt_bytes(v.need_bytes - v.capacity_bytes)} short)")
     peaks = sizes.chunk_activation_peaks
     top = max(range(len(peaks)), key=peaks.__getitem__)
-    layers = split_chunks(cfg.model.num_hidden_layers, cfg.trainer.num_chunks)[top].layers
-    kinds = ", ".join(f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)
-    console.print(f"activation peak: chunk {top} of {len(peaks)} (layers {layers.start}-{layers.stop - 1}: {kinds}"
-                  f"{', head' if top == len(peaks) - 1 else ''}{', embedding' if top == 0 else ''}), "
+    spec = chunk_specs(meta_policy(cfg), cfg.trainer.num_chunks, cfg.trainer.chunk_split)[top]
+    layers = spec.layers
+    parts = ([f"layers {layers.start}-{layers.stop - 1}: " + ", ".join(
+        f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)] if layers else [])
+    parts += (["head"] if spec.has_head else []) + (["embedding"] if spec.has_embedding else [])
+    console.print(f"activation peak: chunk {top} of {len(peaks)} ({', '.join(parts)}), "
                   f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
                   f"smallest chunk peak {fmt_bytes(min(peaks))}")
     layout = sizes.layout

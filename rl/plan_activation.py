@@ -25,8 +25,10 @@ how they split, so the figure holds for any routing that reaches every expert.
 Which MoE form runs depends on the device (models/mlp.py `grouped_mm_usable`): `torch._grouped_mm`
 (bf16 on SM90/SM100 GPUs, and on CPUs), else the padded blocked form, which saves a gathered copy
 of the expert weights per block for backward (tens of GiB at the 48B shape). The meta device has
-no verdict of its own, so the caller says which form the planned device takes (`grouped_mm`);
-meta's `_grouped_mm` takes bf16 only, so other dtypes probe the padded form (an overestimate).
+no verdict of its own, so the caller says which form the planned device takes (`grouped_mm`).
+Meta's `_grouped_mm` kernel takes bf16 only; for other dtypes (a CPU runs fp32 grouped matmuls) the
+probe runs `_MetaGroupedMM`, which saves what the real op saves for backward (its input, the
+weight view, the offsets), so the plan is the form that runs, not the padded one.
 """
 from __future__ import annotations
 
@@ -84,6 +86,31 @@ class SavedTensorMeter:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm(a [M, K], b [G, K, N], offs=[G])` on the meta device in dtypes its meta
+    kernel refuses: the output's shape and dtype, and the tensors the real op saves for backward
+    (a, b and offs; checked against the CPU op in tests/rl/test_plan.py)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b, _ = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b), None
+
+
+def _grouped_mm_on_meta(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The probe's torch._grouped_mm: the meta kernel where it exists (bf16), else `_MetaGroupedMM`."""
+    if a.dtype == b.dtype == torch.bfloat16 or a.device.type != "meta" or kwargs:
+        return _REAL_GROUPED_MM(a, b, offs=offs, **kwargs)
+    return _MetaGroupedMM.apply(a, b, offs)
+
+
+_REAL_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 _MAX_SHADOW_NUMEL = 1 << 24
 """Outputs larger than this keep no values (an [L, L] causal mask, say: nothing needs its values, and
@@ -186,30 +213,31 @@ class _IndexShadow(TorchDispatchMode):
 
 def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
                           dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
-                          grouped_mm: bool = False) -> int:
+                          grouped_mm: bool = False, split: str = "layers") -> int:
     """The saved-tensor peak (`SavedTensorMeter`) of one training step over `micro_batches` (each a
     list of sequence lengths, run one after the other as the trainer does), for a model of
     `model_config` with parameters in `dtype` (models/precision.py's rule: a few stay FP32), split
-    into `num_chunks` VPP chunks. Runs on the meta device: allocates nothing of the model's size."""
-    return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len, grouped_mm))
+    into `num_chunks` VPP chunks by `split` (trainer/chunks.py). Runs on the meta device: allocates
+    nothing of the model's size."""
+    return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len, grouped_mm,
+                                      split))
 
 
 def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
                            dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
-                           grouped_mm: bool = False) -> list[int]:
+                           grouped_mm: bool = False, split: str = "layers") -> list[int]:
     """Per VPP chunk, the saved-tensor peak while it is recomputed and backpropagated (max over the
     micro-batches); the step's peak is their max (nothing is saved in the no-grad forward before).
     grouped_mm: the planned device runs routed experts through torch._grouped_mm (module docstring)."""
 
     def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         align = 16 // x.element_size()  # grouped_mm_usable's stride rule (dims of 16-byte multiples)
-        return (grouped_mm and x.dtype == w.dtype == torch.bfloat16
-                and not (w.shape[1] % align or w.shape[2] % align))
+        return grouped_mm and x.dtype == w.dtype and not (w.shape[1] % align or w.shape[2] % align)
 
     with torch.device("meta"):
         model = HybridLM(model_config)
     cast_parameters(model, dtype)
-    chunked = ChunkedModel(model, num_chunks)
+    chunked = ChunkedModel(model, num_chunks, split)
     meter, shadow = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()]), _IndexShadow()
     peaks = [0] * num_chunks
 
@@ -225,7 +253,8 @@ def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Se
         done.add(key)
         num_tokens = sum(lens)
         with (_FromData(shadow), shadow, meter.hooks(), warnings.catch_warnings(),
-              mock.patch.object(models.mlp, "grouped_mm_usable", usable)):
+              mock.patch.object(models.mlp, "grouped_mm_usable", usable),
+              mock.patch.object(torch, "_grouped_mm", _grouped_mm_on_meta, create=True)):
             warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
             tokens = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
             targets = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]

@@ -151,7 +151,7 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     """Every consumer's bytes for one rank of `cluster` running `cfg` (see the module docstring)."""
     model = meta_policy(cfg)
     world, t = cluster.world, cfg.trainer
-    chunked = ChunkedModel(model, t.num_chunks)
+    chunked = ChunkedModel(model, t.num_chunks, t.chunk_split)
     numels = [sum(p.numel() for _, p in chunked.chunk_parameters(c)) for c in range(t.num_chunks)]
     shards = [math.ceil(n / world) for n in numels]
     weights = _param_bytes(model.parameters())
@@ -170,7 +170,7 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         spill_payload += manifest.payload_bytes
     batches = train_micro_batches(cfg, cluster, options)
     chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg),
-                                         grouped_mm=moe_grouped_mm(model, cluster))
+                                         grouped_mm=moe_grouped_mm(model, cluster), split=t.chunk_split)
     return Sizes(
         weights=weights, pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
         grad_slots=max(s * world for s in shards) * 4 * t.num_grad_slots,

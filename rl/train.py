@@ -112,7 +112,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                       if cfg.rollout.prefix_hash_block else None),
         kv_budget=cfg.rollout.kv_budget()), ledger=ledger)
     t = cfg.trainer
-    trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, num_grad_slots=t.num_grad_slots,
+    trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, chunk_split=t.chunk_split,
+                                            num_grad_slots=t.num_grad_slots,
                                             optimizer=t.optimizer, max_bad_steps=t.max_bad_steps),
                       group=ranks.group, ledger=ledger)
     r = cfg.rollout
@@ -133,7 +134,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     if ref is not None and cfg.memory.reference == "stream":
         # Host copies per VPP chunk, streamed through the trainer's idle gradient slots (on their
         # device); the CPU model built above is dropped here.
-        ref = StreamedReference(ref, trainer.arena, t.num_chunks, ledger=ledger)
+        ref = StreamedReference(ref, trainer.arena, t.num_chunks, ledger=ledger, split=t.chunk_split)
     elif ref is not None:
         ref = ref.to(device)
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,

@@ -53,17 +53,18 @@ class PackedBatch:
 
 
 def reference_logprobs(ref_model: HybridLM | StreamedReference, batch: PackedBatch,
-                       num_chunks: int) -> torch.Tensor:
+                       num_chunks: int, split: str = "layers") -> torch.Tensor:
     """log p_ref(target) for every packed row (the frozen reference policy, for the KL term).
 
     A `StreamedReference` borrows the trainer's gradient slots, so call this between training
     steps (before `policy_update`); a resident `HybridLM` (memory.reference=resident) is its twin:
     the same chunk split and ops, equal logprobs bit for bit on CPU fp32."""
     if isinstance(ref_model, StreamedReference):
-        if ref_model.num_chunks != num_chunks:
-            raise ValueError(f"streamed reference split into {ref_model.num_chunks} chunks, trainer uses {num_chunks}")
+        if (ref_model.num_chunks, ref_model.split) != (num_chunks, split):
+            raise ValueError(f"streamed reference split into {ref_model.num_chunks} chunks by {ref_model.split!r}, "
+                             f"the trainer into {num_chunks} by {split!r}")
         return ref_model.logprobs(batch.token_ids, batch.seq_lens, batch.targets)
-    return ChunkedModel(ref_model, num_chunks).forward_logprobs(batch.token_ids, batch.seq_lens, batch.targets)
+    return ChunkedModel(ref_model, num_chunks, split).forward_logprobs(batch.token_ids, batch.seq_lens, batch.targets)
 
 
 def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig, micro_batch_tokens: int | None,

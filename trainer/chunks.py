@@ -2,6 +2,7 @@
 
 A chunk owns a contiguous range of decoder layers; the embedding belongs to the first chunk, the
 final norm and the output head to the last (a tied head stays with the embedding, in chunk 0).
+With chunk_split="params" the embedding and the head may be chunks of their own, with no layer.
 `ChunkedModel.forward_backward` runs the forward once without keeping activations (only the
 hidden state entering each chunk is saved), then walks the chunks in reverse: it recomputes one
 chunk's forward with autograd, backpropagates the gradient arriving from the chunk above, and
@@ -33,25 +34,101 @@ class ChunkSpec:
     """Final norm and (untied) lm_head."""
 
 
-def split_chunks(num_layers: int, num_chunks: int) -> list[ChunkSpec]:
-    """Balanced contiguous layer ranges; earlier chunks take the remainder layers."""
-    if not 1 <= num_chunks <= num_layers:
-        raise ValueError(f"num_chunks={num_chunks}, expected 1..num_layers={num_layers}")
-    base, extra = divmod(num_layers, num_chunks)
-    specs, start = [], 0
+CHUNK_SPLITS = ("layers", "params")
+"""How the model is cut into VPP chunks (trainer.chunk_split): "layers" = equal layer counts, the
+embedding with the first chunk and the head with the last (at most num_layers chunks); "params" =
+contiguous chunks of the fewest parameters in the largest one, with the embedding and the head as
+units of their own (at most num_layers + 2 chunks), the split that makes the gradient slots (sized
+for the largest chunk) smallest, like Megatron's account_for_embedding/loss_in_pipeline_split."""
+
+
+def split_chunks(num_layers: int, num_chunks: int, unit_numels: Sequence[int] | None = None) -> list[ChunkSpec]:
+    """Contiguous chunks. Without `unit_numels`: balanced layer ranges, earlier chunks take the
+    remainder layers ("layers"). With `unit_numels` (num_layers + 2 parameter counts: the embedding,
+    each layer, the final norm + head): the split minimising the largest chunk's count ("params"),
+    ties going to the split whose earlier chunks are fuller."""
+    if unit_numels is None:
+        if not 1 <= num_chunks <= num_layers:
+            raise ValueError(f"num_chunks={num_chunks}, expected 1..num_layers={num_layers} "
+                             f"(chunk_split='layers'; 'params' allows up to num_layers + 2)")
+        base, extra = divmod(num_layers, num_chunks)
+        sizes = [base + (1 if c < extra else 0) for c in range(num_chunks)]
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return [ChunkSpec(c, range(bounds[c], bounds[c + 1]), c == 0, c == num_chunks - 1) for c in range(num_chunks)]
+    if len(unit_numels) != num_layers + 2:
+        raise ValueError(f"unit_numels has {len(unit_numels)} entries, expected num_layers + 2 = {num_layers + 2} "
+                         f"(embedding, layers, head)")
+    if not 1 <= num_chunks <= num_layers + 2:
+        raise ValueError(f"num_chunks={num_chunks}, expected 1..num_layers + 2 = {num_layers + 2} (chunk_split='params')")
+    cuts = _min_max_partition(list(unit_numels), num_chunks)  # unit index where each chunk starts, + the end
+    specs = []
     for c in range(num_chunks):
-        size = base + (1 if c < extra else 0)
-        specs.append(ChunkSpec(c, range(start, start + size), c == 0, c == num_chunks - 1))
-        start += size
+        lo, hi = cuts[c], cuts[c + 1]  # units [lo, hi): unit 0 = embedding, 1..L = layers, L + 1 = head
+        layers = range(min(max(lo - 1, 0), num_layers), min(max(hi - 1, 0), num_layers))
+        specs.append(ChunkSpec(c, layers, lo == 0, hi == num_layers + 2))
     return specs
+
+
+def _min_max_partition(sizes: list[int], parts: int) -> list[int]:
+    """Boundaries b[0]=0 < b[1] < ... < b[parts]=len(sizes) of the contiguous split of `sizes` into
+    `parts` non-empty runs with the smallest largest sum; among those, each run as long as the
+    remaining runs allow (greedy from the left under the optimal bound)."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+
+    def greedy(bound: int) -> list[int] | None:
+        cuts, start = [0], 0
+        for left in range(parts - 1, 0, -1):  # runs still to place after this one
+            end = start + 1
+            if prefix[end] - prefix[start] > bound:
+                return None
+            while end < n - left and prefix[end + 1] - prefix[start] <= bound:
+                end += 1
+            cuts.append(end)
+            start = end
+        if prefix[n] - prefix[start] > bound:
+            return None
+        return cuts + [n]
+
+    lo, hi = max(sizes), prefix[n]
+    while lo < hi:  # smallest feasible bound
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return greedy(lo)
+
+
+def unit_numels(model: HybridLM) -> list[int]:
+    """Parameter counts of the split's units: the embedding, each decoder layer, the final norm + the
+    untied head (a tied head's weight is the embedding's, counted there)."""
+    backbone = model.model
+    head = sum(p.numel() for p in backbone.norm.parameters())
+    if model.lm_head is not None:
+        head += sum(p.numel() for p in model.lm_head.parameters())
+    return ([sum(p.numel() for p in backbone.embed_tokens.parameters())]
+            + [sum(p.numel() for p in layer.parameters()) for layer in backbone.layers] + [head])
+
+
+def chunk_specs(model: HybridLM, num_chunks: int, split: str = "layers") -> list[ChunkSpec]:
+    """The VPP chunks of `model` under `split` (CHUNK_SPLITS)."""
+    if split not in CHUNK_SPLITS:
+        raise ValueError(f"chunk_split={split!r}, expected one of {CHUNK_SPLITS}")
+    numels = unit_numels(model) if split == "params" else None
+    return split_chunks(model.config.num_hidden_layers, num_chunks, numels)
 
 
 class ChunkedModel:
     """A HybridLM seen as VPP chunks. Holds no tensors of its own beyond the model's."""
 
-    def __init__(self, model: HybridLM, num_chunks: int) -> None:
+    def __init__(self, model: HybridLM, num_chunks: int, split: str = "layers") -> None:
         self.model = model
-        self.specs = split_chunks(model.config.num_hidden_layers, num_chunks)
+        self.specs = chunk_specs(model, num_chunks, split)
 
     def chunk_parameters(self, chunk: int) -> list[tuple[str, nn.Parameter]]:
         """(name, parameter) pairs owned by `chunk`, in model order; every parameter is in exactly one chunk."""

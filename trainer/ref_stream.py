@@ -60,7 +60,7 @@ from memory.host_ledger import HostLedger
 from models.fused import drop_fused, unfused
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
-from trainer.chunks import split_chunks
+from trainer.chunks import chunk_specs
 
 LEDGER_CONSUMER = "reference"
 
@@ -110,15 +110,16 @@ class StreamStats:
 
 
 class StreamedReference:
-    def __init__(self, model: HybridLM, arena: GradArena, num_chunks: int, ledger: HostLedger | None = None) -> None:
+    def __init__(self, model: HybridLM, arena: GradArena, num_chunks: int, ledger: HostLedger | None = None,
+                 split: str = "layers") -> None:
         """Copy `model`'s weights into per-chunk host vectors (the model is not kept: drop it to free
         its memory). `arena`: the trainer's gradient slots the forward borrows; `num_chunks`: the
-        trainer's VPP split (the slots are sized for it). Raises ValueError if a chunk does not fit
+        trainer's VPP split (the slots are sized for it), with `split` its chunk_split. Raises ValueError if a chunk does not fit
         a slot."""
-        self.arena, self.num_chunks, self.config = arena, num_chunks, model.config
+        self.arena, self.num_chunks, self.split, self.config = arena, num_chunks, split, model.config
         self.device = arena.device
         self.slot_capacity = arena.slot_bytes  # bytes per slot
-        self.specs = split_chunks(model.config.num_hidden_layers, num_chunks)
+        self.specs = chunk_specs(model, num_chunks, split)
 
         with torch.device("meta"):
             self.module = HybridLM(model.config).eval()
@@ -131,7 +132,7 @@ class StreamedReference:
             if entries[-1].end > self.slot_capacity:
                 raise ValueError(f"streamed reference: chunk {c} has {entries[-1].end} B of weights but a gradient slot "
                                  f"holds {self.slot_capacity} B; the arena must be sized for the largest chunk of "
-                                 f"this split (num_chunks={num_chunks})")
+                                 f"this split (num_chunks={num_chunks}, chunk_split={split!r})")
         self.ledger = ledger
         self.host_bytes = sum(e[-1].end for e in self.layout)
         if ledger is not None:

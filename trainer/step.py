@@ -66,6 +66,9 @@ def micro_batches(seq_lens: Sequence[int], budget: int | None) -> list[list[int]
 class TrainerConfig:
     num_chunks: int = 4
     """VPP chunks the model is split into."""
+    chunk_split: str = "layers"
+    """How (trainer/chunks.py CHUNK_SPLITS): "layers" (equal layer counts) or "params" (smallest
+    largest chunk, so the smallest gradient slots)."""
     num_grad_slots: int = 2
     """FP32 gradient buffers resident at once."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -109,7 +112,7 @@ class Trainer:
         odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype not in (torch.float32, torch.bfloat16)})
         if odd:
             raise ValueError(f"Trainer: parameters of dtype {odd}; expected float32 or bfloat16 (models/precision.py)")
-        self.chunked = ChunkedModel(model, config.num_chunks)
+        self.chunked = ChunkedModel(model, config.num_chunks, config.chunk_split)
         self.chunk_params = [[p for _, p in self.chunked.chunk_parameters(c)] for c in range(config.num_chunks)]
         for params in self.chunk_params:
             for p in params:
@@ -306,7 +309,7 @@ class Trainer:
         os.replace(tmp, path / f"optimizer-rank{rank}.pt")
         if rank == 0:
             meta = {"step": self.step_count, "world_size": world, "num_chunks": self.config.num_chunks,
-                    "dtype": dtype_name(self.dtype)}
+                    "chunk_split": self.config.chunk_split, "dtype": dtype_name(self.dtype)}
             (path / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
         if world > 1:
             dist.barrier(group=self.group)
@@ -324,6 +327,10 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was written with world_size={meta['world_size']}, "
                              f"num_chunks={meta['num_chunks']}; this trainer has world_size={self.optimizer.world}, "
                              f"num_chunks={self.config.num_chunks}")
+        split = meta.get("chunk_split", "layers")  # checkpoints from before the knob split by layers
+        if split != self.config.chunk_split:
+            raise ValueError(f"checkpoint {path} was written with chunk_split={split!r} (its optimizer shards follow "
+                             f"that split); this trainer has chunk_split={self.config.chunk_split!r}")
         load_weights_into(self.model, path, assign=False)  # keep the Parameter objects the optimizer holds
         # host states: saved from the host, loaded onto it whatever device the model is on
         self.optimizer.load_state_dict(torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt", map_location="cpu"))

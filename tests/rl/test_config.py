@@ -49,6 +49,8 @@ def test_wrong_type_names_key_and_value():
     ("tracking.wandb_mode=ofline", ["ofline", "offline"]),
     ("rollout.kv_budget_tokens=30", ["rollout.budget_tokens=30", "sink_tokens + recent_tokens"]),
     ("rollout.kv_policy=lru", ["unknown eviction policy 'lru'", "'infinigen'"]),
+    ("trainer.chunk_split=bytes", ["trainer.chunk_split='bytes'", "'layers', 'params'"]),
+    ("trainer.num_chunks=9", ["trainer.num_chunks=9", "at most 8 for a model of 8 layers", "'params' allows layers + 2"]),
 ])
 def test_bad_values_fail_with_the_value_and_what_was_expected(override, words):
     with pytest.raises(Exception) as err:

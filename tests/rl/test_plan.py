@@ -106,20 +106,23 @@ def test_activation_probe_equals_the_saved_tensor_meter_of_a_real_step():
     assert activation_peak_bytes(config, plan, 3) == meter.peak
 
 
-def test_activation_probe_follows_the_moe_form_the_device_runs():
-    """Routed experts (32 experts, top-2: not the dense path) in bf16: the probe, told the form this
-    CPU takes (torch._grouped_mm or the padded blocks, models/mlp.py), equals the real step's meter;
-    the other form saves a different amount (the choice matters, so it is the device's to make)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_probe_follows_the_moe_form_the_device_runs(dtype):
+    """Routed experts (32 experts, top-2: not the dense path): the probe, told the form this CPU
+    takes (torch._grouped_mm or the padded blocks, models/mlp.py), equals the real step's meter;
+    the other form saves a different amount (the choice matters, so it is the device's to make).
+    In fp32 the meta device has no _grouped_mm kernel: the probe's stand-in must save what the CPU
+    op saves. The split is by parameters, embedding and head chunks of their own."""
     config = dataclasses.replace(load_model_config(f"{CONFIGS}/model/tiny.yaml"), num_experts=32, num_expert_group=1)
     lens = [40, 30, 50]
-    model = cast_parameters(HybridLM(config).init_weights(seed=0, std=0.1), torch.bfloat16)
+    model = cast_parameters(HybridLM(config).init_weights(seed=0, std=0.1), dtype)
     tokens = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))  # [N]
     meter = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()])
     with meter.hooks():
-        ChunkedModel(model, 4).forward_backward(tokens, lens, torch.roll(tokens, -1), lambda lp: -lp.sum())
+        ChunkedModel(model, 6, "params").forward_backward(tokens, lens, torch.roll(tokens, -1), lambda lp: -lp.sum())
     grouped = moe_grouped_mm(model, ClusterConfig(device_is_host=True))
-    assert activation_peak_bytes(config, [lens], 4, torch.bfloat16, grouped_mm=grouped) == meter.peak
-    assert activation_peak_bytes(config, [lens], 4, torch.bfloat16, grouped_mm=not grouped) != meter.peak
+    assert activation_peak_bytes(config, [lens], 6, dtype, grouped_mm=grouped, split="params") == meter.peak
+    assert activation_peak_bytes(config, [lens], 6, dtype, grouped_mm=not grouped, split="params") != meter.peak
 
 
 def test_the_largest_pool_fits_and_one_more_mib_does_not():

@@ -1,11 +1,14 @@
 """VPP chunks: chunk-by-chunk recompute + backward gives exactly the plain model's gradients."""
+import itertools
+import random
+
 import pytest
 import torch
 
 from models.config import load_model_config
 from models.model import HybridLM
 from tests.trainer.plain import plain_packed_logprobs
-from trainer.chunks import ChunkedModel, split_chunks
+from trainer.chunks import ChunkedModel, chunk_specs, split_chunks, unit_numels
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -25,8 +28,44 @@ def test_split_is_contiguous_balanced_and_validated():
         split_chunks(8, 9)
 
 
-@pytest.mark.parametrize("num_chunks", [1, 2, 4, 8])
-def test_chunked_backward_equals_plain_backward(model, num_chunks):
+def test_params_split_minimises_the_largest_chunk():
+    """Against every contiguous split of random unit sizes: the largest chunk is the smallest
+    possible, chunks are non-empty and in order, the embedding opens the first and the head closes
+    the last, and every layer is in exactly one chunk."""
+    rng = random.Random(0)
+    for _ in range(300):
+        layers = rng.randint(1, 6)
+        units = [rng.randint(1, 30) for _ in range(layers + 2)]
+        k = rng.randint(1, layers + 2)
+        specs = split_chunks(layers, k, units)
+        assert len(specs) == k and specs[0].has_embedding and specs[-1].has_head
+        assert [i for s in specs for i in s.layers] == list(range(layers))
+        sums = [units[0] * s.has_embedding + sum(units[1 + i] for i in s.layers) + units[-1] * s.has_head
+                for s in specs]
+        assert all(sums), specs  # no empty chunk
+        best = min(max(sum(units[a:b]) for a, b in zip((0, *cuts), (*cuts, len(units))))
+                   for cuts in itertools.combinations(range(1, len(units)), k - 1))
+        assert max(sums) == best, (units, k, specs)
+
+
+def test_params_split_of_the_model_gives_embedding_and_head_their_own_chunks(model):
+    layers = model.config.num_hidden_layers
+    specs = chunk_specs(model, layers + 2, "params")
+    assert specs[0].has_embedding and not specs[0].layers and specs[-1].has_head and not specs[-1].layers
+    assert [list(s.layers) for s in specs[1:-1]] == [[i] for i in range(layers)]
+    numels = unit_numels(model)
+    assert sum(numels) == sum(p.numel() for p in model.parameters())
+    chunked = ChunkedModel(model, 3, "params")
+    assert max(chunked.chunk_numel(c) for c in range(3)) <= max(ChunkedModel(model, 3).chunk_numel(c) for c in range(3))
+    with pytest.raises(ValueError, match="num_chunks=11, expected 1..num_layers \\+ 2 = 10"):
+        chunk_specs(model, layers + 3, "params")
+    with pytest.raises(ValueError, match="chunk_split='bytes', expected one of"):
+        chunk_specs(model, 2, "bytes")
+
+
+@pytest.mark.parametrize("num_chunks,split", [(1, "layers"), (2, "layers"), (4, "layers"), (8, "layers"),
+                                              (3, "params"), (10, "params")])
+def test_chunked_backward_equals_plain_backward(model, num_chunks, split):
     gen = torch.Generator().manual_seed(num_chunks)
     lens = [37, 5, 80]
     tokens = torch.randint(0, 259, (sum(lens),), generator=gen)
@@ -44,7 +83,7 @@ def test_chunked_backward_equals_plain_backward(model, num_chunks):
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad()
-    chunked = ChunkedModel(model, num_chunks)
+    chunked = ChunkedModel(model, num_chunks, split)
     seen, snapshots = [], {}
 
     def done(c):

@@ -29,18 +29,19 @@ def make_batch(lens=LENS, seed: int = 0):
     return torch.randint(0, 259, (n,), generator=gen), list(lens), torch.randint(0, 259, (n,), generator=gen)
 
 
-def policy_trainer(num_chunks: int, num_grad_slots: int = 2) -> Trainer:
+def policy_trainer(num_chunks: int, num_grad_slots: int = 2, split: str = "layers") -> Trainer:
     return Trainer(make_model(seed=11), TrainerConfig(num_chunks=num_chunks, num_grad_slots=num_grad_slots,
-                                                      optimizer=OPT))
+                                                      chunk_split=split, optimizer=OPT))
 
 
-@pytest.mark.parametrize("num_chunks, num_grad_slots", [(2, 2), (3, 2), (3, 1), (8, 2)])
-def test_streamed_equals_resident_bit_for_bit(num_chunks, num_grad_slots):
+@pytest.mark.parametrize("num_chunks, num_grad_slots, split", [(2, 2, "layers"), (3, 2, "layers"), (3, 1, "layers"),
+                                                               (8, 2, "layers"), (10, 2, "params")])
+def test_streamed_equals_resident_bit_for_bit(num_chunks, num_grad_slots, split):
     resident = make_model().eval()
-    trainer = policy_trainer(num_chunks, num_grad_slots)
-    streamed = StreamedReference(resident, trainer.arena, num_chunks)
+    trainer = policy_trainer(num_chunks, num_grad_slots, split)
+    streamed = StreamedReference(resident, trainer.arena, num_chunks, split=split)
     tokens, lens, targets = make_batch()
-    expected = ChunkedModel(resident, num_chunks).forward_logprobs(tokens, lens, targets)
+    expected = ChunkedModel(resident, num_chunks, split).forward_logprobs(tokens, lens, targets)
     got = streamed.logprobs(tokens, lens, targets)
     assert got.dtype == torch.float32 and got.shape == (sum(lens),)
     assert torch.equal(got, expected)

@@ -44,12 +44,13 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / denom).item() if denom > 0 else (a.double().norm()).item()
 
 
-@pytest.mark.parametrize("micro_batch_tokens,num_micro", [(None, 1), (40, 4)])
-def test_one_step_equals_plain_adamw_in_one_process(micro_batch_tokens, num_micro):
+@pytest.mark.parametrize("micro_batch_tokens,num_micro,split", [(None, 1, "layers"), (40, 4, "layers"),
+                                                                (40, 4, "params")])
+def test_one_step_equals_plain_adamw_in_one_process(micro_batch_tokens, num_micro, split):
     lens, tokens, targets, weights = make_batch()
     ours, ref = make_model(), make_model()
     reference_step(ref, lens, tokens, targets, weights)
-    trainer = Trainer(ours, TrainerConfig(num_chunks=4, optimizer=OPT))
+    trainer = Trainer(ours, TrainerConfig(num_chunks=4, chunk_split=split, optimizer=OPT))
     metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel(),
                                  micro_batch_tokens=micro_batch_tokens)
     assert metrics["grad_slots_high_water"] <= 2 and metrics["micro_batches"] == num_micro
@@ -125,6 +126,8 @@ def test_resume_at_step_k_equals_uninterrupted_run_at_k_plus_2(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="num_chunks=4; this trainer has world_size=1, num_chunks=2"):
         Trainer(make_model(), TrainerConfig(num_chunks=2, optimizer=OPT)).load(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="chunk_split='layers' .*; this trainer has chunk_split='params'"):
+        Trainer(make_model(), TrainerConfig(num_chunks=4, chunk_split="params", optimizer=OPT)).load(tmp_path / "ckpt")
 
 
 def test_non_finite_loss_skips_the_step_then_stops():
