@@ -1,19 +1,20 @@
-"""Real sizes on CPU: the middle model (configs/model/kimi_linear_mid.yaml, 0.46B) in fp32 and in
+"""Real sizes on CPU: the middle model (configs/model/kimi_linear_mid.yaml, 0.43B) in fp32 and in
 bf16, one engine generate and one train step each, in the same run.
 
     python -m benchmarks.scale [--quick]        # --quick: the tiny model, small sizes (a smoke run)
 
 Per dtype, the parts come from `rl.train.build` (the policy drawn in FP32 from the run's seed and
 cast to `experiment.dtype`, the engine on the policy's own tensors, the trainer with FP32 gradient
-slots and host AdamW), with `rollout.max_model_len=256`, `trainer.num_chunks=--chunks`, no KL
-reference. Measured:
+slots and host AdamW), with `rollout.max_model_len=256`, `trainer.num_chunks=--chunks`,
+`trainer.chunk_split=--chunk-split`, no KL reference. Measured:
 - (a) device bytes, the peak over the iteration's phases: the policy's weights + the engine's
   weight storage not shared with the policy + the trainer's gradient slots (FP32 in both dtypes,
   allocated bytes), plus the larger of the KV pool pages the generate used (peak pages x page
   bytes, not the configured pool; released while training) and the train step's activation peak
   (tensors saved for backward and each VPP chunk's kept input, one live set:
-  benchmarks/train_step.py's meter). --chunks defaults to one layer per VPP chunk, the leanest
-  split (two slots of the largest chunk's FP32 gradients). Not counted: host states
+  benchmarks/train_step.py's meter). --chunks defaults to layers + 2 split by parameters (the
+  embedding, each layer and the head a chunk of its own), the leanest split: two slots of the
+  largest chunk's FP32 gradients. Not counted: host states
   (FP32 masters, AdamW moments), and the CPU-only fused projection copies the engine makes while it
   generates (printed; dropped at sleep, none on CUDA).
 - (b) one greedy generate: --prompts prompts of 32..63 tokens x --new-tokens new tokens; seconds,
@@ -25,8 +26,9 @@ reference. Measured:
   batch) on each consumer it sizes: weights, the whole pool, grad slots, the saved-tensor peak,
   host masters and moments.
 The FP32 gradient slots are the same bytes in both dtypes, so the ratio is bounded below by
-(2 W + S) / (4 W + S) for W parameters and S slot bytes: at this model's 12 layers S is a large
-share (at the 48B shape's 27 layers, with one MoE layer per chunk, S ~ 0.3 B/parameter).
+(2 W + S) / (4 W + S) for W parameters and S slot bytes: with the 48B's 27 layers, one per chunk,
+S = 2 x 4 B x the largest layer ~ 0.3 B/parameter, a bound of 0.534 (at 12 layers split by layer
+count, embedding and head riding with the end layers, it was 0.61).
 Final line: device_bytes_bf16_vs_fp32= engine_extra_weight_bytes= host_syncs_per_decode_step=
 moe_grouped_vs_loop= planner_max_rel_err= (targets: <= 0.55, 0, <= 2, a speed ratio, <= 0.05),
 then the raw figures per dtype.
@@ -53,6 +55,7 @@ from rl.train import build
 from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 from tests.sync_audit import audit_step
+from trainer.chunks import CHUNK_SPLITS
 from trainer.step import Trainer
 
 MAX_MODEL_LEN = 256
@@ -66,7 +69,8 @@ def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) 
     register_configs()
     overrides = [f"model={model}", f"experiment.dtype={dtype}", f"run_dir={run_dir}", "tracking.wandb_mode=disabled",
                  "tracking.progress=false", f"rollout.max_model_len={MAX_MODEL_LEN}", "rollout.max_num_batched_tokens=4096",
-                 f"memory.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}", "algo.loss.kl_coef=0",
+                 f"memory.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}",
+                 f"trainer.chunk_split={args.chunk_split}", "algo.loss.kl_coef=0",
                  # the planner's train batch (groups x group_size sequences) is then the one measured here
                  "rollout.groups_per_iteration=1", f"algo.group_size={args.train_seqs}"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
@@ -234,7 +238,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (4 with --quick)")
     p.add_argument("--train-seqs", type=int, default=2)
     p.add_argument("--train-len", type=int, default=None, help="default 256 (32 with --quick)")
-    p.add_argument("--chunks", type=int, default=None, help="VPP chunks (default: one per layer)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="VPP chunks (default: layers + 2 with params, layers with layers)")
+    p.add_argument("--chunk-split", default="params", choices=CHUNK_SPLITS, help="trainer.chunk_split")
     p.add_argument("--pool-mb", type=int, default=256)
     args = p.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "kimi_linear_mid")
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                for n in torch.randint(32, 64, (args.prompts,), generator=gen)]
 
     cfg = load_model_config(CONFIGS / "model" / f"{model}.yaml")
-    args.chunks = args.chunks or cfg.num_hidden_layers
+    extra_units = 2 if args.chunk_split == "params" else 0  # the embedding and the head
+    args.chunks = args.chunks or cfg.num_hidden_layers + extra_units
     moe = moe_grouped_vs_loop(cfg, args.train_seqs * args.train_len)
     runs: dict[str, DtypeFigures] = {}
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # (--quick skips it: its times are not the point.)
         tiny_layers = load_model_config(CONFIGS / "model" / "tiny.yaml").num_hidden_layers
         warm = argparse.Namespace(**{**vars(args), "new_tokens": 2, "train_len": 16,
-                                     "chunks": min(args.chunks, tiny_layers)})
+                                     "chunks": min(args.chunks, tiny_layers + extra_units)})
         for dtype in () if args.quick else ("fp32", "bf16"):
             run_dtype("tiny", dtype, warm, prompts[:1], Path(tmp) / f"warm-{dtype}")
         for dtype in ("fp32", "bf16"):

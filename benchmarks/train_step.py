@@ -62,15 +62,24 @@ class SavedTensorMeter:
 
     def track_chunk_inputs(self, trainer: Trainer) -> list:
         """Count the hidden state entering each VPP chunk during the graph-free forward (it stays
-        alive until the chunk's backward): a pre-hook on each chunk's first layer norm, which is
-        the first module to read the chunk's input. Returns the hook handles (remove them after)."""
-        def on_input(module, args):
-            if not torch.is_grad_enabled():
-                self.track(args[0])
+        alive until the chunk's backward): `trainer.chunked._run_chunk` is wrapped to record its
+        input when no graph is built (chunks without layers included: an embedding-only chunk's
+        input is the embedding output, a head-only chunk's the last layer's output). Returns a
+        handle list; `remove()` each to unwrap."""
+        chunked = trainer.chunked
+        run_chunk = chunked._run_chunk
 
-        layers = trainer.model.model.layers
-        return [layers[spec.layers[0]].input_layernorm.register_forward_pre_hook(on_input)
-                for spec in trainer.chunked.specs]
+        def tracked(chunk, hidden, mixer):
+            if not torch.is_grad_enabled():
+                self.track(hidden)
+            return run_chunk(chunk, hidden, mixer)
+
+        class Unwrap:
+            def remove(self) -> None:
+                chunked.__dict__.pop("_run_chunk", None)
+
+        chunked._run_chunk = tracked
+        return [Unwrap()]
 
 
 def batch(num_tokens: int, seed: int = 0, vocab_size: int = 256):
