@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.mla.naive import naive_mla_attention, naive_mla_attention_absorbed
 from models.config import ModelConfig
@@ -37,6 +39,38 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+_LINEAR_MEMORY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention without the [L, L] score matrix: q, k [B, H, L, Dk], v [B, H, L, Dv]
+    -> [B, H, L, Dv]. `scaled_dot_product_attention` restricted to its flash / memory-efficient
+    kernels (memory linear in L; backward recomputes the scores from the saved log-sum-exp); the
+    quadratic math fallback is excluded, so an unsupported input fails instead of silently building
+    L x L. CPU flash attention needs Dv == Dk: MLA's values (128 wide vs 192 for keys at Kimi
+    Linear's shape) are zero-padded to Dk and the extra output columns dropped (exact: they are 0).
+    On the meta device (the memory planner's probe) SDPA would pick its math form, which saves the
+    [L, L] probabilities; the probe runs the CPU flash op instead, which saves what the flash kernels
+    save (q, k, v, the output and a [B, H, L] log-sum-exp)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv < dk:
+        v = F.pad(v, (0, dk - dv))
+    if q.device.type == "meta":
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[0]
+    else:
+        with sdpa_kernel(_LINEAR_MEMORY_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out[..., :dv]
+
+
+def causal_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`causal_attention`'s plain twin (tests): the [B, H, L, L] scores, masked, softmax, times v."""
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, L, L]
+    length = q.shape[-2]
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # [L, L]
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
 
 class MLALayer(nn.Module):

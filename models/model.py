@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels.kda.naive import naive_chunk_kda
 from models.config import ModelConfig
 from models.kda import KDALayer
-from models.mla import MLALayer
+from models.mla import MLALayer, causal_attention
 from models.mlp import Experts, MoE, Router, SwiGLU
 from models.norms import GatedRMSNorm, RMSNorm
 from models.state import KDACheckpoint, SegmentBatch, SequenceState
@@ -384,12 +384,8 @@ class PackedMixer:
             keys = torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1, -1)], dim=-1)  # [B, H, L, Dn + Dr]
             values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
             queries = torch.cat([b.pad(q_nope), b.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
-            scores = (queries @ keys.transpose(-1, -2)) * layer.scale  # [B, H, L, L]
-            lens = b.index(x.device)[2]  # [B]
-            pos = torch.arange(b.width, device=x.device)  # [L]
-            allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])  # [B, L, L]
-            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            parts.append(b.unpad((scores.softmax(dim=-1) @ values).transpose(1, 2)))  # [n, H, Dv]
+            # Right padding needs no mask beyond causality: a real row never sees a later (padded) one.
+            parts.append(b.unpad(causal_attention(queries, keys, values, layer.scale).transpose(1, 2)))  # [n, H, Dv]
         return layer.output(x, self._gather(parts).to(x.dtype))
 
 

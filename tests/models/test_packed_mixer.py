@@ -29,10 +29,14 @@ def test_outputs_and_gradients_match_the_per_sequence_path(lens, max_scores):
     got, got_grads = run(mixer)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got_grads.keys() == ref_grads.keys()
+    # A gradient that is exactly 0 in the reference (a 1-token sequence's query: softmax over one key)
+    # comes out of flash attention's backward as rounding noise (it recomputes P and rowsum(dO * O)
+    # separately): tolerated up to 1e-6 of the largest gradient.
+    floor = 1e-6 * max(g.double().norm() for g in ref_grads.values())
     for name in ref_grads:
         a, b = got_grads[name].double(), ref_grads[name].double()
         # Relative to the whole gradient (batched sums round differently; routing amplifies it a little).
-        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-12, name
+        assert (a - b).norm() <= 1e-4 * b.norm() + floor, name
 
 def test_refuses_sequences_that_do_not_start_at_zero():
     with pytest.raises(ValueError, match="starts"):

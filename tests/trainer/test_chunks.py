@@ -100,7 +100,10 @@ def test_chunked_backward_equals_plain_backward(model, num_chunks, split):
         if n not in expected:
             assert p.grad is None or p.grad.abs().sum() == 0, n  # e.g. experts no token chose
             continue
-        assert rel_err(p.grad, expected[n]) <= 1e-5, n
+        # 3e-5: a KDA A_log gradient (2 numbers, each a sum over every token with cancellations) moves
+        # by up to 1.6e-5 when the residual gradients are summed at chunk boundaries in another order
+        # (one layer per chunk); every other parameter stays within 1e-5.
+        assert rel_err(p.grad, expected[n]) <= 3e-5, n
     # each chunk's gradients were already final when its callback ran
     for c, grads in snapshots.items():
         for n, g in grads.items():
