@@ -16,9 +16,11 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from rl.tracking import TrackingConfig
+from rollout.engine import pool_mb_for, sequence_pages
 from rollout.kv_eviction import KVBudgetConfig, lookup_policy
 from rollout.sampling import SamplingParams
 from trainer.chunks import CHUNK_SPLITS
@@ -77,7 +79,13 @@ class RolloutConfig:
     weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so it
     needs memory.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
     max_model_len: int = 256
+    """Longest sequence the engine runs, prompt + generated (every turn of a conversation counts): a
+    longer prompt is refused and its trajectory dropped (counted as rollout_dropped_too_long).
+    memory.pool_mb must hold one sequence of this length (checked at composition; `python -m rl.plan`
+    prints the longest context a pool holds). 64k-128k contexts are this knob and memory.pool_mb."""
     max_num_batched_tokens: int = 1024
+    """Tokens one engine step computes (decode tokens + prefill chunks): a longer prompt is prefilled
+    in chunks of at most this many tokens over several steps, so it may be below max_model_len."""
     kernel_impl: str | None = None
     prefix_hash_block: int | None = None
     """Prefix cache: tokens per hash block (must divide the pool's page of block_tokens tokens);
@@ -97,6 +105,15 @@ class RolloutConfig:
         if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
             raise ValueError(f"rollout.groups_per_iteration={self.groups_per_iteration} and rollout.max_new_tokens="
                              f"{self.max_new_tokens} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len={self.max_model_len}, expected >= 2 (one prompt token and one "
+                             f"generated token)")
+        if self.max_new_tokens >= self.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt under "
+                             f"rollout.max_model_len={self.max_model_len}; expected max_new_tokens < max_model_len")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1 (tokens "
+                             f"per engine step; a longer prompt is prefilled in chunks of this size)")
         if not (self.max_concurrency == "auto" or (isinstance(self.max_concurrency, int)
                                                    and not isinstance(self.max_concurrency, bool)
                                                    and self.max_concurrency >= 1)):
@@ -137,6 +154,11 @@ class RolloutConfig:
     @property
     def concurrency(self) -> int | None:
         return None if self.max_concurrency == "auto" else int(self.max_concurrency)
+
+    @property
+    def longest_kv_tokens(self) -> int:
+        """Tokens of KV one sequence holds at most: max_model_len, capped by kv_budget_tokens."""
+        return min(self.max_model_len, self.kv_budget_tokens or self.max_model_len)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +297,24 @@ class RunConfig:
             raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
+        layout, r = self.cache_layout, self.rollout
+        pool_pages = (self.memory.pool_mb << 20) // layout.page_bytes  # PagePool.from_bytes
+        needed = sequence_pages(layout, r.longest_kv_tokens)  # the engine's "cannot hold one sequence" check
+        if needed > pool_pages:
+            raise ValueError(
+                f"memory.pool_mb={self.memory.pool_mb} holds {pool_pages} pages of {layout.page_bytes:,} bytes, but "
+                f"one sequence of rollout.max_model_len={r.max_model_len} tokens"
+                + (f" (rollout.kv_budget_tokens={r.kv_budget_tokens} on the device)" if r.kv_budget_tokens else "")
+                + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
+                f"{layout.mla_pages_for(r.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
+                f"memory.pool_mb >= {pool_mb_for(layout, needed)} or lower rollout.max_model_len")
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """The rollout engine's page geometry (rollout/engine.py builds the same): MLA latents in the
+        run's dtype (the model's output weight, never kept FP32), KDA states in rollout.kda_state_dtype."""
+        return CacheLayout.for_model(self.model, cache_dtype=self.experiment.torch_dtype,
+                                     state_dtype=parse_dtype(self.rollout.kda_state_dtype))
 
 
 def _writable(node: Any) -> None:

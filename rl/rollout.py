@@ -13,6 +13,10 @@ paused engine request on its kept (stale) KV. Groups are trained once all their 
 Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
 (g % world == rank); a group stays on its rank until trained.
 An environment that raises drops that trajectory (counted, logged with its id); the run goes on.
+So does a context the engine can never run (`ContextTooLong`: longer than rollout.max_model_len,
+or more pages than the pool): checked before each request is submitted, it drops the trajectories
+the request continues (a first turn: the whole group, which is then skipped), logs a line with the
+token count and the limit, and counts them as `rollout_dropped_too_long`.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, ThrottleConfig
-from rollout.engine import Engine
+from rollout.engine import ContextTooLong, Engine
 from rollout.request import RequestOutput, SampleOutput
 from rollout.sampling import SamplingParams
 
@@ -121,11 +125,27 @@ class RolloutDriver:
                 t.request_id = None
                 self._append(t, sample, stats)
                 if self._end_turn(t, stats):
-                    nxt.append(self._request([t], stats))
+                    nxt += self._admissible([t], stats)
             return nxt
 
         follow_up.trajs = trajs  # who the request continues (read when an iteration stops early)
         return list(traj.tokens), params, follow_up, tuple(traj.turn_boundaries)
+
+    def _admissible(self, trajs: list[Trajectory], stats: dict) -> list[tuple]:
+        """[the request continuing `trajs`], or [] when the engine refuses its context
+        (`Engine.check_context`): then `trajs` are dropped, with one logged line and counted."""
+        request = self._request(trajs, stats)
+        try:
+            self.engine.check_context(len(request[0]))
+        except ContextTooLong as err:
+            traj = trajs[0]
+            who = (f"group {traj.group_id} ({len(trajs)} trajectories)" if len(trajs) > 1
+                   else f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1})")
+            self.errors.append(f"{who}: {type(err).__name__}: {err}")  # the tokens, the limit, the pages
+            for t in trajs:
+                self._drop(t, stats, "too_long")
+            return []
+        return [request]
 
     @staticmethod
     def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
@@ -143,7 +163,7 @@ class RolloutDriver:
             env = self._env(traj)
             result = env.step(answer)
         except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
-            self._drop(traj, err, stats)
+            self._env_error(traj, err, stats)
             return False
         traj.answers.append(answer)
         traj.reward += float(result.reward)
@@ -165,11 +185,18 @@ class RolloutDriver:
         self.waiting.setdefault(traj.group_id, []).append(traj)
         stats["finished"] += 1
 
-    def _drop(self, traj: Trajectory, err: Exception, stats: dict) -> None:
+    def _env_error(self, traj: Trajectory, err: Exception, stats: dict) -> None:
+        self.errors.append(f"trajectory {traj.traj_id}: {type(err).__name__}: {err}")
+        self._drop(traj, stats, "env_errors")
+
+    def _drop(self, traj: Trajectory, stats: dict, reason: str) -> None:
+        """Take `traj` out of its group (counted in stats[reason]); a group left with no member is
+        forgotten: it is skipped, never trained."""
         self.envs.pop(traj.traj_id, None)
         self.group_sizes[traj.group_id] -= 1
-        stats["dropped"] += 1
-        self.errors.append(f"trajectory {traj.traj_id}: {type(err).__name__}: {err}")
+        stats[reason] += 1
+        if not self.group_sizes[traj.group_id]:
+            del self.group_sizes[traj.group_id]
 
     @property
     def groups_next_iteration(self) -> int:
@@ -183,8 +210,7 @@ class RolloutDriver:
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
-        stats = {"tokens": 0, "dropped": 0, "finished": 0}
-        errors_before = len(self.errors)
+        stats = {"tokens": 0, "env_errors": 0, "too_long": 0, "finished": 0}
         carry, self.carry = self.carry, []
         paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
         for traj in carry:
@@ -192,7 +218,8 @@ class RolloutDriver:
                 paused.setdefault(traj.request_id, []).append(traj)
             else:
                 traj.request_id = None
-                dispatcher.add(*self._request([traj], stats))
+                for request in self._admissible([traj], stats):
+                    dispatcher.add(*request)
         for request_id, trajs in paused.items():
             self.engine.resume(request_id)
             dispatcher.adopt(request_id, *self._request(trajs, stats))
@@ -206,13 +233,14 @@ class RolloutDriver:
                 text = make_task(self.task_name, **self.task_params).reset(mix_seed(self.seed, group))
             except Exception as err:  # noqa: BLE001
                 for t in trajs:
-                    self._drop(t, err, stats)
+                    self._env_error(t, err, stats)
                 continue
             prompt = self.tokenizer.encode(text)
             for t in trajs:
                 t.tokens, t.policy = list(prompt), [False] * len(prompt)
                 t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
-            dispatcher.add(*self._request(trajs, stats))
+            for request in self._admissible(trajs, stats):
+                dispatcher.add(*request)
         t0, generated_before = time.perf_counter(), self.engine.num_generated
 
         def should_stop() -> bool:
@@ -232,7 +260,7 @@ class RolloutDriver:
         return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
-                "env_errors": float(len(self.errors) - errors_before)}
+                "env_errors": float(stats["env_errors"]), "rollout_dropped_too_long": float(stats["too_long"])}
 
     def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
         """Budget reached: everything not finished becomes carry-over (paused with its KV, or with

@@ -87,6 +87,34 @@ class EngineConfig:
             check_impl(self.kernel_impl)
 
 
+class ContextTooLong(ValueError):
+    """A request the engine can never run: its prompt leaves no room under `max_model_len` (which
+    the pool is sized to hold, see `Engine.check_context`). Raised before anything changes; the
+    figures are attributes so a caller (the RL driver) can log and count the drop."""
+
+    def __init__(self, message: str, *, num_tokens: int, max_model_len: int, pages_needed: int,
+                 pool_pages: int) -> None:
+        super().__init__(message)
+        self.num_tokens = num_tokens
+        """Prompt tokens of the refused request."""
+        self.max_model_len = max_model_len
+        self.pages_needed = pages_needed
+        """Pages one sequence of the prompt + 1 generated token needs."""
+        self.pool_pages = pool_pages
+
+
+def sequence_pages(layout: CacheLayout, num_tokens: int) -> int:
+    """Pages one private sequence of `num_tokens` tokens holds with full KV: one state page per KDA
+    cache group and ceil(num_tokens / block_tokens) pages per MLA cache group (the engine's
+    `CacheManager.pages_for_tokens` without a KV budget; the run config checks its pool with it)."""
+    return len(layout.kda_groups) + len(layout.mla_groups) * layout.mla_pages_for(num_tokens)
+
+
+def pool_mb_for(layout: CacheLayout, num_pages: int) -> int:
+    """The smallest pool, in MiB, that holds `num_pages` pages (`PagePool.from_bytes`'s rounding)."""
+    return -(-num_pages * layout.page_bytes // (1 << 20))
+
+
 def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for ascending host `rows`, as slices of consecutive runs (no index tensor to copy over)."""
     runs: list[list[int]] = []
@@ -126,7 +154,8 @@ class Engine:
         if max_pages > self.pool.num_pages:
             raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
                              f"({max_pages} pages; max_model_len={config.max_model_len}): lower max_model_len (or "
-                             f"the KV budget) or grow the pool")
+                             f"the KV budget) or grow the pool to >= {pool_mb_for(self.layout, max_pages)} MiB "
+                             f"(memory.pool_mb)")
         self.policy_version = 0
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -141,27 +170,28 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
                     turn_boundaries: Seq[int] = ()) -> str:
-        """Queue a prompt. Invalid input raises ValueError here and leaves the engine untouched."""
+        """Queue a prompt. Invalid input raises ValueError here (a context the engine can never run:
+        `ContextTooLong`, see `check_context`) and leaves the engine untouched: nothing allocated,
+        queued, or counted (the next automatic request id is the same)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one token")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.config.max_model_len} "
-                             f"(need room for at least one generated token)")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.check_context(len(prompt))
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} out of range [0, {vocab})")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}:{request_id}".encode())
         boundaries = tuple(sorted({int(b) for b in turn_boundaries}))
         if any(not 0 < b <= len(prompt) for b in boundaries):
             raise ValueError(f"turn_boundaries {list(turn_boundaries)} must lie in [1, {len(prompt)}] (the prompt)")
+        if request_id is None:
+            request_id = str(next(self._request_ids))  # only now: a refused request consumes no id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}:{request_id}".encode())
 
         def new_seq(fork: int, num_forks: int = 0) -> Sequence:
             gen = torch.Generator().manual_seed(base_seed + fork)
@@ -172,6 +202,30 @@ class Engine:
         self.requests[request_id] = Request(request_id, list(prompt), params, [seq], list(turn_boundaries))
         self.scheduler.add(seq)
         return request_id
+
+    def check_context(self, prompt_len: int) -> None:
+        """Raise `ContextTooLong` if a request of `prompt_len` prompt tokens can never run here: the
+        prompt leaves no room for one generated token under `max_model_len`. Pure (the RL driver
+        calls it to drop a too-long trajectory before submitting anything).
+
+        That is also the pool's limit: the engine is only built when its pool holds one sequence of
+        max_model_len tokens (KV-budget capped), and a sample never outgrows max_model_len (it
+        finishes with "length" there, whatever max_new_tokens says), so every admitted request
+        fits the pool on its own; the rest is waiting and preemption, never a refusal. The error
+        gives the pages the prompt + 1 token needs and the pool's, for raising the limit."""
+        cfg = self.config
+        if prompt_len < cfg.max_model_len:
+            return
+        needed = self.cache.pages_for_tokens(prompt_len + 1)
+        grow = (f" and the pool to >= {pool_mb_for(self.layout, needed)} MiB (memory.pool_mb)"
+                if needed > self.pool.num_pages else "")
+        raise ContextTooLong(
+            f"prompt of {prompt_len} tokens does not fit max_model_len={cfg.max_model_len} (need room for at least "
+            f"one generated token: {prompt_len + 1} tokens, {needed} pages; the pool has {self.pool.num_pages} pages "
+            f"of {self.layout.page_bytes:,} bytes): shorten the prompt or raise max_model_len (rollout.max_model_len) "
+            f"to >= {prompt_len + 1}{grow}",
+            num_tokens=prompt_len, max_model_len=cfg.max_model_len, pages_needed=needed,
+            pool_pages=self.pool.num_pages)
 
     def abort(self, request_id: str) -> None:
         for seq in self._request(request_id).seqs:
