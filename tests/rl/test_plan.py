@@ -170,7 +170,7 @@ def test_command_line_plans_the_48b_model_on_one_h200_node(tmp_path):
 
 def test_command_line_names_the_tier_that_does_not_fit(tmp_path):
     # fp32 weights of 48B parameters alone are ~183 GiB: more than an H200
-    status, text = printed([*SIZE_48B, "trainer.num_chunks=27"])
+    status, text = printed([*SIZE_48B, "trainer.num_chunks=27", "memory.pool_mb=4096"])
     assert status == 1
     assert "device (per GPU): does not fit" in text and "short" in text
 
