@@ -10,8 +10,8 @@ plugs into `HybridLM.run_layers`, so embeddings, norms and MLPs stay one code pa
   `kda_decode_step`; prefill chunks are batched too (length buckets, right-padded with steps that
   write nothing), starting from zeros when a sequence starts at position 0 (pages need no clearing).
 - MLA: the new tokens' latents [c_kv, k_rope] are written to their slots first, then decode
-  attends through the block tables with `paged_mla_decode` (absorbed), and prefill chunks
-  attend over their gathered pages with the expanded form.
+  attends through the block tables with `paged_mla_decode` (absorbed), and prefill chunks with
+  `paged_mla_prefill` (absorbed, tiles of slots with an online softmax: no full score matrix).
 Conv tails: the pool stores them per head as [3 (q, k, v), kernel-1, dk]; the layer works on
 [kernel-1, 3 * H * dk] (channel = which * H * dk + h * dk + d); `_tails_to_layer` converts.
 
@@ -36,10 +36,16 @@ from kernels.kda.decode import kda_decode_step
 from kernels.kda.recurrent import recurrent_kda
 from kernels.impl import require_cpu_ops
 from kernels.mla.paged import paged_mla_decode
+from kernels.mla.prefill import (TILE_SLOTS, attend_rows, attend_rows_weights, paged_mla_prefill,
+                                 paged_mla_prefill_weights)
 from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights
 from models.kda import KDALayer
 from models.mla import MLALayer
 from models.state import SegmentBatch
+
+PREFILL_TILE_SLOTS = TILE_SLOTS
+"""Slots per tile of the torch MLA prefill (rounded to whole pages, or to a divisor of a page):
+its scores peak at [sequences, chunk tokens * heads, PREFILL_TILE_SLOTS] fp32."""
 
 
 def torch_prefill_form(num_seqs: int, width: int) -> tuple[str, int]:
@@ -417,43 +423,53 @@ class PagedMixer:
     def _mla_prefill(self, index: int, layer: MLALayer, bucket: _Bucket, q_nope: torch.Tensor,
                      q_rope: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
         """Causal attention of several sequences' new tokens over their pages (absorbed form, as
-        decode): queries right-padded to the longest chunk, whole pages gathered per sequence.
-        Padded query rows and slots past a sequence's end are masked out of the softmax, and
-        zeroed in the gather: pages not written yet may hold anything, NaN included, from an
-        earlier owner, and 0 * NaN in probs @ kv would leak it (zeroing is unconditional: testing
-        for non-finite values first would make the host wait for the device). Padded outputs are dropped."""
-        block_tokens, width_kv = cache.shape[1], cache.shape[2]
-        seqs, num, width, src, dst = bucket.seqs, len(bucket.seqs), bucket.width, bucket.src, bucket.dst
+        decode), queries right-padded to the longest chunk: `paged_mla_prefill`, which reads the
+        pages through the block table and never holds more than one tile of scores (torch: tiles of
+        `PREFILL_TILE_SLOTS` slots gathered one at a time, online softmax; Triton: registers), so
+        memory does not grow with the context beyond the pages themselves. Padded query rows and
+        slots past a sequence's end are masked out of the softmax; slots past the end are never
+        read (Triton) or zeroed in each gathered tile (torch): pages not written yet may hold
+        anything, NaN included, from an earlier owner, and 0 * NaN would leak it (zeroing is
+        unconditional: testing for non-finite values first would make the host wait for the
+        device). Padded outputs are dropped. With a `kv_observer`, see `_observed_prefill`."""
+        num, width, src, dst = len(bucket.seqs), bucket.width, bucket.src, bucket.dst
         heads, d_c = layer.num_heads, layer.kv_lora_rank
         w_uk, w_uv = (w.float() for w in layer.up_projections())
-        starts, lens = bucket.kv_starts, bucket.lens  # [Bp] first new slot, new tokens
-        ends = starts + lens  # [Bp]
-        num_blocks = -(-bucket.max_end // block_tokens)
-        span = num_blocks * block_tokens
-        needed = torch.arange(num_blocks, device=self.device) * block_tokens < ends[:, None]  # [Bp, nb]
-        pages = tables.index_select(0, bucket.index)[:, :num_blocks].masked_fill(~needed, 0)  # [Bp, nb]; page 0 stands in, masked
-        kv = cache.index_select(0, pages.reshape(-1)).view(num, span, width_kv).float()  # [Bp, S, d_c + d_r]
-        kv_pos = torch.arange(span, device=self.device)
-        kv = kv.masked_fill((kv_pos >= ends[:, None])[..., None], 0.0)
-        q_pos = starts[:, None] + torch.arange(width, device=self.device)  # [Bp, Lq] slot of each query row
-        allowed = (kv_pos <= q_pos[..., None]) & (kv_pos < ends[:, None, None])  # [Bp, Lq, S]
-        obs = self.step.kv_observer
-        extra = obs.extra_kv(index, seqs, None) if obs is not None else None
-        if extra is not None:  # rows older than the chunk: every query row sees the valid ones
-            kv = torch.cat([kv, extra[0].float()], dim=1)  # [Bp, S + M, d_c + d_r]
-            allowed = torch.cat([allowed, extra[1][:, None, :].expand(num, width, -1)], dim=-1)
         qn = _pad(q_nope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dn]
-        q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [Bp*Lq, H, d_c]
-        qr = _pad(q_rope, src, dst, num, width).float().view(num * width, heads, -1)  # [Bp*Lq, H, Dr]
-        q = torch.cat([q_lat, qr], dim=-1).view(num, width * heads, width_kv)  # [Bp, Lq*H, d_c + d_r]
-        total = kv.shape[1]  # span, plus the extra rows
-        scores = (q @ kv.transpose(1, 2)).mul_(layer.scale).view(num, width, heads, total)
-        scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        if obs is not None:
-            real = (torch.arange(width, device=self.device) < lens[:, None]).to(probs.dtype)  # [Bp, Lq] rows that are not padding
-            received = torch.einsum("bqhs,bq->bs", probs, real)  # [Bp, S + M]
-            obs.observe(index, seqs, received[:, :span], received[:, span:] if extra is not None else None)
-        o_lat = (probs.view(num, width * heads, total) @ kv)[..., :d_c]  # [Bp, Lq*H, d_c]
+        q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1).reshape(num, width, heads, d_c)  # [Bp, Lq, H, d_c]
+        qr = _pad(q_rope, src, dst, num, width).float().view(num, width, heads, -1)  # [Bp, Lq, H, Dr]
+        seq_tables = tables.index_select(0, bucket.index)  # [Bp, max_blocks]
+        o_lat, lse = paged_mla_prefill(q_lat, qr, cache, seq_tables, bucket.kv_starts, bucket.lens, scale=layer.scale,
+                                       impl=self.step.impl, check=self.step.check, max_end=bucket.max_end,
+                                       tile_slots=PREFILL_TILE_SLOTS)  # [Bp, Lq, H, d_c], [Bp, Lq, H]
+        if self.step.kv_observer is not None:
+            o_lat = self._observed_prefill(index, layer, bucket, q_lat, qr, cache, seq_tables, o_lat, lse)
         o = torch.bmm(o_lat.reshape(num * width, heads, d_c).transpose(0, 1), w_uv.transpose(1, 2))  # [H, Bp*Lq, Dv]
         out.index_copy_(0, src, o.transpose(0, 1).index_select(0, dst).to(out.dtype))
+
+    def _observed_prefill(self, index: int, layer: MLALayer, bucket: _Bucket, q_lat: torch.Tensor,
+                          q_rope: torch.Tensor, cache: torch.Tensor, seq_tables: torch.Tensor, o_lat: torch.Tensor,
+                          lse: torch.Tensor) -> torch.Tensor:
+        """Token eviction's prefill: the observer's extra rows (older than the chunk: every query
+        row sees the valid ones) attended in tiles and merged exactly with the pages' (o_lat, lse)
+        [Bp, Lq, H, d_c], [Bp, Lq, H]; then, with the final lse, a second pass over the tiles gives
+        the probability each slot and extra row received, summed over heads and the chunk's real
+        rows (`obs.observe`). Returns o_lat; without extra rows it is the one given, bit for bit."""
+        obs, seqs, lens = self.step.kv_observer, bucket.seqs, bucket.lens
+        num, width, heads, d_c = q_lat.shape
+        extra = obs.extra_kv(index, seqs, None)
+        extra_weights = None
+        if extra is not None:
+            q = torch.cat([q_lat, q_rope], dim=-1).view(num, width * heads, -1)  # [Bp, Lq*H, d_c + d_r]
+            o_x, lse_x = attend_rows(q, extra[0], extra[1], scale=layer.scale, value_dim=d_c,
+                                     tile_slots=PREFILL_TILE_SLOTS)  # [Bp, Lq*H, d_c], [Bp, Lq*H]
+            o, lse_all = merge_attention(o_lat.view(num, width * heads, d_c), lse.view(num, width * heads), o_x, lse_x)
+            o_lat, lse = o.view(num, width, heads, d_c), lse_all.view(num, width, heads)
+            real = (torch.arange(width, device=self.device) < lens[:, None]).float()  # [Bp, Lq] 0 = padding
+            extra_weights = attend_rows_weights(q, extra[0], extra[1], lse_all, real.repeat_interleave(heads, dim=1),
+                                                scale=layer.scale, tile_slots=PREFILL_TILE_SLOTS)  # [Bp, M]
+        resident = paged_mla_prefill_weights(q_lat, q_rope, cache, seq_tables, bucket.kv_starts, lens, lse,
+                                             scale=layer.scale, max_end=bucket.max_end,
+                                             tile_slots=PREFILL_TILE_SLOTS)  # [Bp, span]
+        obs.observe(index, seqs, resident, extra_weights)
+        return o_lat
