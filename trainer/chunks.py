@@ -4,7 +4,8 @@ A chunk owns a contiguous range of decoder layers; the embedding belongs to the 
 final norm and the output head to the last (a tied head stays with the embedding, in chunk 0).
 With chunk_split="params" the embedding and the head may be chunks of their own, with no layer.
 `ChunkedModel.forward_backward` runs the forward once without keeping activations (only the
-hidden state entering each chunk is saved), then walks the chunks in reverse: it recomputes one
+hidden state entering each chunk is saved; the last chunk is skipped there, its recompute being the
+first step of the backward walk), then walks the chunks in reverse: it recomputes one
 chunk's forward with autograd, backpropagates the gradient arriving from the chunk above, and
 hands the finished chunk to `on_chunk_done` before moving down. So at any moment only one chunk's
 activation graph is alive and each chunk's parameter gradients are complete, and final, when
@@ -196,12 +197,15 @@ class ChunkedModel:
         # Forward without a graph, keeping only each chunk's input. Unfused (models/fused.py), as the
         # recompute under autograd is: the chunk inputs must be exactly what a plain forward makes
         # (in bf16 the fused projections round differently).
+        # The last chunk is not run here: its output is only needed with a graph, and its recompute
+        # comes first in the backward walk.
         inputs = []
         with torch.no_grad(), unfused():
             hidden = self.model.model.embed_tokens(token_ids)  # [N, D]
             for c in range(len(self.specs)):
                 inputs.append(hidden)
-                hidden = self._run_chunk(c, hidden, mixer())
+                if c + 1 < len(self.specs):
+                    hidden = self._run_chunk(c, hidden, mixer())
         # Backward chunk by chunk, recomputing each chunk's forward.
         grad_out, loss, logprobs = None, None, None
         for c in reversed(range(len(self.specs))):

@@ -115,3 +115,20 @@ def test_bad_inputs(model):
     with pytest.raises(ValueError, match=r"seq_lens \[3, 3\] must be positive and sum to 5"):
         chunked.forward_backward(torch.zeros(5, dtype=torch.long), [3, 3], torch.zeros(5, dtype=torch.long),
                                  lambda lp: lp.sum())
+
+
+def test_each_layer_runs_twice_except_the_last_chunk_once(model):
+    """The graph-free forward stops before the last chunk: its layers run once (the recompute with a
+    graph), every other chunk's twice (graph-free, then recomputed)."""
+    chunked = ChunkedModel(model, 3)
+    calls = [0] * model.config.num_hidden_layers
+    handles = [layer.input_layernorm.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        tokens = torch.randint(0, 259, (20,), generator=torch.Generator().manual_seed(0))
+        chunked.forward_backward(tokens, [12, 8], tokens.roll(-1), lambda lp: -lp.sum())
+    finally:
+        for h in handles:
+            h.remove()
+    last = set(chunked.specs[-1].layers)
+    assert calls == [1 if i in last else 2 for i in range(len(calls))]
