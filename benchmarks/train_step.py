@@ -62,7 +62,8 @@ class SavedTensorMeter:
 
     def track_chunk_inputs(self, trainer: Trainer) -> list:
         """Count the hidden state entering each VPP chunk during the graph-free forward (it stays
-        alive until the chunk's backward): `trainer.chunked._run_chunk` is wrapped to record its
+        alive until the chunk's backward), and the attention outputs that pass keeps for the
+        recompute (PackedMixer.kept): `trainer.chunked._run_chunk` is wrapped to record its
         input when no graph is built (chunks without layers included: an embedding-only chunk's
         input is the embedding output, a head-only chunk's the last layer's output). Returns a
         handle list; `remove()` each to unwrap."""
@@ -70,9 +71,14 @@ class SavedTensorMeter:
         run_chunk = chunked._run_chunk
 
         def tracked(chunk, hidden, mixer):
-            if not torch.is_grad_enabled():
-                self.track(hidden)
-            return run_chunk(chunk, hidden, mixer)
+            if torch.is_grad_enabled():
+                return run_chunk(chunk, hidden, mixer)
+            self.track(hidden)
+            out = run_chunk(chunk, hidden, mixer)
+            for kept in (getattr(mixer, "kept", None) or {}).values():  # MLA outputs kept for the recompute
+                for t in kept:
+                    self.track(t)
+            return out
 
         class Unwrap:
             def remove(self) -> None:

@@ -44,7 +44,27 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 _LINEAR_MEMORY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+class _KeptAttention(torch.autograd.Function):
+    """Causal CPU flash attention whose forward already ran (in the graph-free pass, which kept its
+    output and log-sum-exp): the forward hands that output back, the backward is the flash kernel's
+    own, from the same saved tensors SDPA's autograd would hold (q, k, v, output, log-sum-exp)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, scale):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     kept: dict | None = None, key=None) -> torch.Tensor:
     """Causal softmax attention without the [L, L] score matrix: q, k [B, H, L, Dk], v [B, H, L, Dv]
     -> [B, H, L, Dv]. `scaled_dot_product_attention` restricted to its flash / memory-efficient
     kernels (memory linear in L; backward recomputes the scores from the saved log-sum-exp); the
@@ -53,10 +73,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Linear's shape) are zero-padded to Dk and the extra output columns dropped (exact: they are 0).
     On the meta device (the memory planner's probe) SDPA would pick its math form, which saves the
     [L, L] probabilities; the probe runs the CPU flash op instead, which saves what the flash kernels
-    save (q, k, v, the output and a [B, H, L] log-sum-exp)."""
+    save (q, k, v, the output and a [B, H, L] log-sum-exp).
+
+    `kept` (a dict, with `key` naming this call; CPU only): the trainer's graph-free forward stores
+    (output, log-sum-exp) under `key`, and the recompute of the same chunk with a graph takes them
+    back instead of running the quadratic forward again (`_KeptAttention`); the kept tensors are
+    O(L) like the chunk inputs. Valid because the recompute's inputs are bit for bit the first
+    pass's (trainer/chunks.py; tests/models/test_long_attention.py checks the gradients are too)."""
     dk, dv = q.shape[-1], v.shape[-1]
     if dv < dk:
         v = F.pad(v, (0, dk - dv))
+    if kept is not None and q.device.type == "cpu":
+        if not torch.is_grad_enabled():
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            kept[key] = (out, lse)
+            return out[..., :dv]
+        if key in kept:
+            out, lse = kept.pop(key)
+            return _KeptAttention.apply(q, k, v, out, lse, scale)[..., :dv]
     if q.device.type == "meta":
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[0]
     else:
@@ -65,8 +99,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out[..., :dv]
 
 
-def causal_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`causal_attention`'s plain twin (tests): the [B, H, L, L] scores, masked, softmax, times v."""
+def causal_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           kept: dict | None = None, key=None) -> torch.Tensor:
+    """`causal_attention`'s plain twin (tests): the [B, H, L, L] scores, masked, softmax, times v
+    (`kept`, `key`: accepted and ignored, for drop-in use)."""
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, L, L]
     length = q.shape[-2]
     future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # [L, L]

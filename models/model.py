@@ -300,7 +300,7 @@ class PackedMixer:
     ones to its length. Built from lengths alone: its index tensors follow the hidden states'
     device (made on first use there)."""
 
-    def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22) -> None:
+    def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22, keep_attention: bool = False) -> None:
         if any(batch.starts):
             raise ValueError(f"PackedMixer needs sequences starting at position 0, got starts {batch.starts}")
         lens, offsets = batch.new_lens, batch.offsets
@@ -326,6 +326,9 @@ class PackedMixer:
         # one bucket already in packed order: its rows need no regather
         self.in_order = len(self.buckets) == 1 and self.buckets[0].src_rows == list(range(self.num_tokens))
         self._positions: dict[torch.device, torch.Tensor] = {}
+        self.kept: dict | None = {} if keep_attention else None
+        """keep_attention: MLA outputs of a graph-free pass, per (layer, bucket), taken back by the
+        recompute of the same layers with a graph (models.mla.causal_attention; the trainer's chunks)."""
 
     def stage(self, device: torch.device) -> "PackedMixer":
         """Move every bucket's index tensors and the positions to `device` in one copy (pinned and
@@ -377,7 +380,7 @@ class PackedMixer:
         latent_rows = layer.latent(x, positions)  # [N, d_c + d_r]
         w_uk, w_uv = (w.float() for w in layer.up_projections())  # [H, Dn, d_c], [H, Dv, d_c]
         heads, parts = layer.num_heads, []
-        for b in self.buckets:
+        for number, b in enumerate(self.buckets):
             latent = b.pad(latent_rows).float()  # [B, L, d_c + d_r]
             c_kv, k_rope = latent[..., :layer.kv_lora_rank], latent[..., layer.kv_lora_rank:]
             k_nope = torch.einsum("hnc,blc->bhln", w_uk, c_kv)  # [B, H, L, Dn]
@@ -385,7 +388,8 @@ class PackedMixer:
             values = torch.einsum("hvc,blc->bhlv", w_uv, c_kv)  # [B, H, L, Dv]
             queries = torch.cat([b.pad(q_nope), b.pad(q_rope)], dim=-1).float().transpose(1, 2)  # [B, H, L, *]
             # Right padding needs no mask beyond causality: a real row never sees a later (padded) one.
-            parts.append(b.unpad(causal_attention(queries, keys, values, layer.scale).transpose(1, 2)))  # [n, H, Dv]
+            attn = causal_attention(queries, keys, values, layer.scale, self.kept, (index, number))  # [B, H, L, Dv]
+            parts.append(b.unpad(attn.transpose(1, 2)))  # [n, H, Dv]
         return layer.output(x, self._gather(parts).to(x.dtype))
 
 

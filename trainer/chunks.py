@@ -189,7 +189,10 @@ class ChunkedModel:
             raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
         # Whole sequences from position 0: the batched mixer (one padded batch, no per-sequence loop).
         # its index tensors reach the device in one copy, before any layer runs
-        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
+        # keep_attention: the graph-free pass keeps each MLA layer's attention output (O(L)) so the
+        # recompute does not run the quadratic forward twice (models.mla.causal_attention; CPU)
+        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)),
+                             keep_attention=True).stage(token_ids.device)
 
         def mixer() -> PackedMixer:
             return packed

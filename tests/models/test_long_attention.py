@@ -146,3 +146,42 @@ def test_kda_training_saves_segment_states_not_decay_tensors():
         assert torch.equal(a, b)
     assert short * 4 < kept  # the [64, 64, K] decay tensors are what the plain graph keeps
     assert 3.5 <= long / short <= 4.5, (short, long)
+
+
+def test_kept_attention_gives_the_recompute_bit_for_bit():
+    """The trainer's chunks keep each MLA output of the graph-free pass for the recompute: the
+    step's loss, logprobs and every gradient are bit for bit those of recomputing the attention,
+    and the kept entries are all taken back (none left over, none for the last chunk)."""
+    from trainer.chunks import ChunkedModel
+
+    model = HybridLM(load_model_config(TINY)).init_weights(seed=0, std=0.1)
+    lens = [70, 1, 33]
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, 259, (sum(lens),), generator=gen) for _ in range(2))
+    mixers = []
+    original = PackedMixer.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        mixers.append(self)
+
+    def step(keep: bool):
+        model.zero_grad()
+        recompute = mock.patch("models.model.causal_attention",
+                               lambda q, k, v, scale, kept=None, key=None: causal_attention(q, k, v, scale))
+        with mock.patch.object(PackedMixer, "__init__", spy), (contextlib.nullcontext() if keep else recompute):
+            loss, logp = ChunkedModel(model, 2).forward_backward(tokens, lens, targets, lambda lp: -lp.sum())
+        return loss, logp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    import models.mla
+    applied = []
+    reuse = models.mla._KeptAttention.apply
+    with mock.patch.object(models.mla._KeptAttention, "apply", lambda *a: applied.append(1) or reuse(*a)):
+        kept_loss, kept_logp, kept_grads = step(True)
+    assert applied, "the recompute took no kept attention output"
+    assert mixers[-1].kept == {} and mixers[-1].kept is not None  # every kept output was taken back
+    loss, logp, grads = step(False)
+    assert torch.equal(kept_loss, loss) and torch.equal(kept_logp, logp)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name
