@@ -199,16 +199,20 @@ def naive_chunk_kda(
     # decay tensors of every segment, so training memory grows linearly with T. Same ops, same
     # gradients as keeping everything.
     recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S))
-    pieces, start = [], 0
-    for end in _segment_ends(T, chunk_len, positions):
-        args = (q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], g[:, :, start:end],
-                beta[:, :, start:end].unsqueeze(-1), S)
+    ends = _segment_ends(T, chunk_len, positions)
+    # One split per input, not a slice per segment: under autograd a slice's backward writes its
+    # gradient into a zero tensor of the whole length, so T / chunk_len slices cost O(T^2) in
+    # memory traffic; a split's backward is one concatenation.
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    segments = zip(*(x.split(sizes, dim=2) for x in (q, k, v, g, beta.unsqueeze(-1)))) if ends else ()
+    pieces = []
+    for end, (q_s, k_s, v_s, g_s, b_s) in zip(ends, segments):
+        args = (q_s, k_s, v_s, g_s, b_s, S)
         o_s, S = (checkpoint(_segment, *args, scale, use_reentrant=False) if recompute
                   else _segment(*args, scale))
         pieces.append(o_s)
         if end in positions:
             states.append(S.clone())
-        start = end
     o = torch.cat(pieces, dim=2) if pieces else q.new_zeros(B, H, T, V)  # [B, H, T, V]
     o = o.transpose(1, 2).to(out_dtype)  # [B, T, H, V]
     return o, S, _stack_states(states, B, H, K, V, q.device)
