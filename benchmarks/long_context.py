@@ -6,8 +6,8 @@ multi-turn scenario (issue 16).
 (a) Train: one `Trainer.train_step` on one sequence of L = 2k, 8k, 32k tokens (fp32, 2 VPP chunks,
     host AdamW). Peak bytes as benchmarks/train_step.py counts them: tensors saved for backward,
     each chunk's kept input and the attention outputs kept for the recompute (one live set), plus
-    the gradient arena; tokens/s of the step, the best of 3 / 2 / 1 steps at 2k / 8k / 32k (a
-    512-token step runs first, untimed: one-time costs).
+    the gradient arena; tokens/s of the step, the best of two steps at each length (a 512-token
+    step runs first, untimed: one-time costs).
 (b) Rollout: one prompt of 16k and of 64k tokens prefilled (chunked, 2048-token budget) then 64
     greedy decode tokens. Peak bytes: the pool pages the sequence holds at its longest plus the peak
     of every other tensor alive during the run (a dispatch mode that counts each op output's storage
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "train" not in skip:
         train_step(512 // div)  # one-time costs
         train = {}
-        for length, repeats in ((2048, 3), (8192, 2), (32768, 1)):  # best of: a noisy host
+        for length in (2048, 8192, 32768):
+            repeats = 2  # best of two at every length: a noisy host, the same chance for each
             runs = []
             for _ in range(repeats):
                 runs.append(train_step(length // div))
