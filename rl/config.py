@@ -74,6 +74,9 @@ class RolloutConfig:
     budget_seconds: float | None = None
     """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
     time budget."""
+    max_drop_fraction: float = 0.5
+    """Circuit breaker: the run stops with an error when more than this share of an iteration's
+    trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
     partial_resume: str = "recompute"
     """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
     weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so it
@@ -111,6 +114,8 @@ class RolloutConfig:
         if self.max_new_tokens >= self.max_model_len:
             raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt under "
                              f"rollout.max_model_len={self.max_model_len}; expected max_new_tokens < max_model_len")
+        if not 0 <= self.max_drop_fraction <= 1:
+            raise ValueError(f"rollout.max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1 (tokens "
                              f"per engine step; a longer prompt is prefilled in chunks of this size)")
@@ -205,15 +210,40 @@ class TrainSchema:
     max_bad_steps: int = 3
     micro_batch_tokens: int | None = None
     """Token budget of one micro-batch; None = the whole batch at once."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm (FP32, over every rank's shards) to this; null = no clipping. A
+    step whose norm is not finite is skipped whatever this is (counted against max_bad_steps)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"trainer.max_grad_norm={self.max_grad_norm}, expected > 0 or null (no clipping)")
         if self.num_chunks < 1:
             raise ValueError(f"trainer.num_chunks={self.num_chunks}, expected >= 1")
         if self.chunk_split not in CHUNK_SPLITS:
             raise ValueError(f"trainer.chunk_split={self.chunk_split!r}, expected one of {CHUNK_SPLITS}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When the RL loop checkpoints and what it keeps (rl/checkpoint.py)."""
+    every: int = 1
+    """Checkpoint every this many iterations (and always after the last)."""
+    keep_last: int = 2
+    """Complete checkpoints kept, newest first: a resume falls back to an older one when the newest
+    does not verify (a power loss while it was written)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose iteration is a multiple of this (never deleted); null = none."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every={self.every}, expected >= 1")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last}, expected >= 1")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"checkpoint.keep_every={self.keep_every}, expected >= 1 or null")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +261,12 @@ class ExperimentConfig:
     torch.cuda.is_available(), else cpu). The resolved device is the run's `Ranks.device`, printed at
     start. Default cpu until a GPU has run the loop (rl/README.md)."""
 
+    max_idle_iterations: int = 3
+    """Circuit breaker: the run stops with an error after this many iterations in a row that trained
+    on nothing (every trajectory dropped or failed)."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective between ranks (a dead rank makes the others fail with a clear
+    error within it instead of hanging)."""
     dtype: str = "fp32"
     """Parameter dtype on the device: "fp32" or "bf16" (Megatron's recipe: bf16 weights, FP32 gradient
     slots, FP32 masters and AdamW moments on the host; models/precision.py). A checkpoint to start
@@ -243,6 +279,10 @@ class ExperimentConfig:
             raise ValueError(f"experiment.{err}") from None
         if self.iterations < 1:
             raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
+        if self.max_idle_iterations < 1:
+            raise ValueError(f"experiment.max_idle_iterations={self.max_idle_iterations}, expected >= 1")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"experiment.collective_timeout_s={self.collective_timeout_s}, expected > 0")
         if not self.init_std > 0:
             raise ValueError(f"experiment.init_std={self.init_std}, expected > 0")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -279,6 +319,7 @@ class RunConfig:
     trainer: TrainSchema = field(default_factory=TrainSchema)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     run_dir: str = "runs/cpu_demo"
     """Where checkpoints, metrics, plots and wandb files go (also Hydra's run dir)."""
