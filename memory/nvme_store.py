@@ -29,9 +29,13 @@ path, the bytes needed and the bytes free. Restore raises CorruptSpill (naming t
 tensor when one is at fault) on a bad header, truncation or checksum mismatch; when restoring in
 place, the `out` tensors' contents are then undefined.
 
-A directory belongs to one store at a time: a new store indexes the `*.spill` files there (so a
-restarted run can restore them) and removes stale `*.tmp` left by a crash. Calls are serialized
-by a lock (one handle, one pair of staging buffers).
+A directory belongs to one store at a time, enforced: the store holds an exclusive `flock` on
+`<dir>/.lock` (which names the holder: pid, host, owner) until `close()` or its process dies; a
+second store on the same directory, in this process or another, raises `SpillDirLocked` naming
+the holder. Holding the lock, a new store indexes the `*.spill` files there (so a restarted run can
+restore them) and removes stale `*.tmp`: left by a crash of an earlier holder, never another live
+store's. A run gives each store its own subdirectory (`owner_directory`). Calls are serialized by
+a thread lock (one handle, one pair of staging buffers).
 
 Invariants (`check_integrity`, when no call is running): every known group has its file, of the
 size its record says; no `*.tmp` file exists; staging buffers are 2 x chunk_bytes.
@@ -39,8 +43,11 @@ size its record says; no `*.tmp` file exists; staging buffers are 2 x chunk_byte
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -61,10 +68,43 @@ from memory.spill_format import (CHECKSUMS, FILE_ALIGN, FORMAT_VERSION, IO_ALIGN
 from memory.spill_format import _chunks  # noqa: F401 - re-exported for the tests
 
 __all__ = ["BACKENDS", "CHECKSUMS", "FILE_ALIGN", "FORMAT_VERSION", "IO_ALIGN", "MAGIC", "TENSOR_ALIGN", "CorruptSpill",
-           "Manifest", "NvmeStore", "NvmeStoreConfig", "SpillError", "SpillRecord", "TensorEntry", "UnknownGroup",
-           "load_aio_op", "read_manifest"]
+           "Manifest", "NvmeStore", "NvmeStoreConfig", "SpillDirLocked", "SpillError", "SpillRecord", "TensorEntry",
+           "UnknownGroup", "load_aio_op", "owner_directory", "read_manifest"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+LOCK_FILE = ".lock"
+
+
+class SpillDirLocked(RuntimeError):
+    """Another live store holds the directory (its lock file names it)."""
+
+    def __init__(self, msg: str, *, directory: Path, holder: str) -> None:
+        super().__init__(msg)
+        self.directory, self.holder = directory, holder
+
+
+def owner_directory(root: str | os.PathLike, owner: str | os.PathLike) -> Path:
+    """`root`'s subdirectory for one owner (a run directory, say): its name plus a digest of its
+    resolved path, so two runs sharing `root` never share a store, and a resumed run finds its own."""
+    resolved = str(Path(owner).resolve())
+    return Path(root) / f"{Path(resolved).name or 'root'}-{hashlib.sha1(resolved.encode()).hexdigest()[:10]}"
+
+
+def _lock_directory(directory: Path, owner: str) -> int:
+    """Take `directory`'s lock file (exclusive, non-blocking) and write the holder into it; returns
+    the descriptor, whose closing (or the process's death) releases the lock."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a holder that wrote no name"
+        os.close(fd)
+        raise SpillDirLocked(f"nvme store: {directory} is in use by another store ({holder}); two runs must not "
+                             f"share a spill directory (each store locks its own; give this run another "
+                             f"memory.spill_dir, or stop the other one)", directory=directory, holder=holder) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{', ' + owner if owner else ''}\n".encode(), 0)
+    return fd
 BACKENDS = ("auto", "aio", "buffered")
 
 
@@ -139,7 +179,8 @@ class SpillRecord:
 
 # ---- the store ----------------------------------------------------------------------------------
 class NvmeStore:
-    def __init__(self, directory: str | os.PathLike, config: NvmeStoreConfig | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, config: NvmeStoreConfig | None = None, owner: str = "") -> None:
+        """`owner`: who holds the directory, written into its lock file (a run directory, say)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.config = config = config or NvmeStoreConfig()
@@ -148,6 +189,12 @@ class NvmeStore:
         self._io = self._open_backend(config)
         # Closed at the latest at interpreter exit (atexit), while the runtime is still whole.
         self._finalizer = weakref.finalize(self, _close_backend, self._io)
+        try:
+            lock_fd = _lock_directory(self.directory, owner)
+        except SpillDirLocked:
+            self._finalizer()
+            raise
+        self._unlock = weakref.finalize(self, os.close, lock_fd)
         self._lock = threading.Lock()
         self._records: dict[str, SpillRecord] = {}
         for stale in self.directory.glob("*.tmp"):
@@ -201,9 +248,10 @@ class NvmeStore:
         return self.directory / f"{name}.spill"
 
     def close(self) -> None:
-        """Free the staging buffers (and the aio handle); the files stay."""
+        """Free the staging buffers (and the aio handle) and release the directory; the files stay."""
         with self._lock:
             self._finalizer()
+            self._unlock()
 
     def __enter__(self) -> "NvmeStore":
         return self
