@@ -32,14 +32,15 @@ class HostTokenStore:
         if not row_shape or any(not isinstance(d, int) or d < 1 for d in row_shape):
             raise ValueError(f"host token store: row_shape={row_shape!r}, expected positive integers")
         self.row_shape, self.dtype, self.ledger, self.consumer = tuple(row_shape), dtype, ledger, consumer
-        self._slab = torch.empty(capacity, *row_shape, dtype=dtype, pin_memory=pin_memory)  # [C, *row]
-        nbytes = self._slab.numel() * self._slab.element_size()
+        nbytes = capacity * torch.Size(row_shape).numel() * torch.empty(0, dtype=dtype).element_size()
         if ledger is not None:
-            try:
-                ledger.lease(consumer, nbytes)
-            except Exception:
-                del self._slab
-                raise
+            ledger.lease(consumer, nbytes)  # first: a refusal allocates nothing
+        try:
+            self._slab = torch.empty(capacity, *row_shape, dtype=dtype, pin_memory=pin_memory)  # [C, *row]
+        except BaseException:
+            if ledger is not None:
+                ledger.release(consumer, nbytes)
+            raise
         self.nbytes = nbytes
         self._used = torch.zeros(capacity, dtype=torch.bool)
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low ids first

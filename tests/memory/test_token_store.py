@@ -53,3 +53,32 @@ def test_bytes_are_leased_and_returned():
     assert ledger.held("kv_tokens") == 800  # the refused store leased nothing
     store.close()
     assert ledger.held("kv_tokens") == 0
+
+
+def test_the_lease_comes_before_the_slab(monkeypatch):
+    """A refused lease allocates nothing (the slab could be GiBs of pinned memory); a failed
+    allocation gives its lease back."""
+    import memory.token_store as ts
+
+    made = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        if len(shape) > 1:  # the slab; torch.empty(0, dtype=...) only sizes an element
+            made.append(shape)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(ts.torch, "empty", empty)
+    ledger = HostLedger(budget_bytes=100)
+    with pytest.raises(HostBudgetExceeded):
+        HostTokenStore((10,), capacity=20, ledger=ledger)
+    assert made == [] and ledger.held("kv_tokens") == 0
+
+    def no_memory(*shape, **kw):
+        raise RuntimeError("out of pinned memory")
+
+    monkeypatch.setattr(ts.torch, "empty", lambda *s, **kw: real_empty(*s, **kw) if len(s) == 1 else no_memory())
+    ledger = HostLedger(budget_bytes=1000)
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        HostTokenStore((10,), capacity=20, ledger=ledger)
+    assert ledger.held("kv_tokens") == 0
