@@ -1,7 +1,6 @@
 """Model configs: YAML schemas, validation errors, HF config.json conversion, the 48B shape."""
 import dataclasses
 import json
-import time
 
 import pytest
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -10,11 +9,9 @@ from models.config import ModelConfig, hybrid_layer_types, load_model_config
 from models.model import HybridLM
 
 
-def test_tiny_config_builds_fast_and_counts_its_parameters():
+def test_tiny_config_builds_and_counts_its_parameters():
     cfg = load_model_config("configs/model/tiny.yaml")
-    t0 = time.perf_counter()
-    model = HybridLM(cfg).init_weights()
-    assert time.perf_counter() - t0 < 1.0, "tiny config should build in < 1 s"
+    model = HybridLM(cfg).init_weights()  # (no wall-clock bound: a loaded host makes any flaky)
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
     assert cfg.layer_types == hybrid_layer_types(8)  # KKKM x 2
 
