@@ -10,6 +10,13 @@ the tracker's memory timeline. With `memory.spill_dir`, `_offload_train_state` s
 optimizer's host states to NVMe (`train_disk` in the timeline) and "restore" reads them back.
 A checkpoint is written atomically after each iteration; resume starts after the last one.
 
+Circuit breaker: a fault inside an iteration costs the trajectories it hits (rl/rollout.py drops
+them, by reason), never the run, unless faults are the norm: the run stops with `RunBroken` after an
+iteration that dropped more than `max_drop_fraction` of the trajectories it ended (dropped +
+finished, over all ranks), or after `max_idle_iterations` iterations in a row that trained no group
+and carried nothing over (a rollout budget's carry-over is progress, not idleness). The iteration's
+metrics and drop lines are logged first, so the error comes with the evidence.
+
 Several ranks (torchrun; rl/ranks.py): every rank runs this same loop on its own engine and its
 share of the groups. The collectives sit at the phase boundaries, so no rank is in one phase while
 another is in the next: "load_weights" all-gathers the engine weights' checksum (an error names
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
@@ -36,7 +44,7 @@ from rl.checkpoint import save_iteration
 from rl.plan_activation import SavedTensorMeter
 from rl.plan_model import with_totals
 from rl.ranks import Ranks, merge_metrics, weights_checksum
-from rl.rollout import RolloutDriver
+from rl.rollout import DROP_REASONS, RolloutDriver
 from rl.tracking import Tracker
 from rl.update import PackedBatch, policy_update, reference_logprobs
 from rollout.engine import Engine
@@ -62,13 +70,21 @@ def _storage_bytes(tensors, seen: set[int] | None = None) -> int:
     return total
 
 
+class RunBroken(RuntimeError):
+    """The circuit breaker: too many of an iteration's trajectories were dropped, or too many
+    iterations in a row trained nothing."""
+
+
 class Phases:
-    """Runs one phase transition, timing it and logging the memory tiers afterwards (`memory`)."""
+    """Runs one phase transition, timing it and logging the memory tiers afterwards (`memory`).
+    `fault(iteration, phase)`, when given, is called as each phase starts (tests inject a crash
+    there; rl/train.py passes one only under HYBRIDRL_TEST_FAULTS=1)."""
 
     def __init__(self, tracker: Tracker, engine: Engine, policy: HybridLM, trainer: Trainer,
-                 ref_model: "HybridLM | StreamedReference | None" = None) -> None:
+                 ref_model: "HybridLM | StreamedReference | None" = None,
+                 fault: Callable[[int, str], None] | None = None) -> None:
         self.tracker, self.engine, self.policy, self.trainer = tracker, engine, policy, trainer
-        self.ref_model = ref_model
+        self.ref_model, self.fault = ref_model, fault
         self.seconds: dict[str, float] = {}
         self._peaks: dict[str, int] = {}
         """The train phase's transient consumers (`_measure_train`), reported by the next `memory()`."""
@@ -153,6 +169,8 @@ class Phases:
             self._peaks["device_alloc_peak"] = torch.cuda.max_memory_allocated(device) - start
 
     def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
+        if self.fault is not None:
+            self.fault(iteration, name)
         t0 = time.perf_counter()
         with self._measure_train(name):
             result = fn()
@@ -192,25 +210,23 @@ class LoopParts:
         return next(self.policy.parameters()).device
 
 
-def run_loop(parts: LoopParts, start: int, iterations: int,
-             fault: Callable[[int, str], None] = lambda iteration, phase: None) -> list[dict[str, float]]:
-    """Iterations [start, iterations); returns each iteration's metrics (global over ranks).
-    `fault(iteration, phase)` is called as each phase starts (tests inject a crash there)."""
-    p, history = parts, []
-    phases = Phases(p.tracker, p.engine, p.policy, p.trainer, p.ref_model)
+def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction: float, max_idle_iterations: int,
+             fault: Callable[[int, str], None] | None = None) -> list[dict[str, float]]:
+    """Iterations [start, iterations); returns each iteration's metrics (global over ranks). Raises
+    RunBroken (on every rank) when the circuit breaker trips: `max_drop_fraction`
+    (rollout.max_drop_fraction) and `max_idle_iterations` (experiment.max_idle_iterations), see the
+    module docstring. `fault(iteration, phase)` is called as each phase starts (`Phases`)."""
+    p, history, idle = parts, [], 0
+    phases = Phases(p.tracker, p.engine, p.policy, p.trainer, p.ref_model, fault=fault)
     # bytes a weight sync copies: none when the engine runs on the policy's own tensors
     weight_bytes = 0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())
     for it in range(start, iterations):
         if p.engine.pool.is_released:
-            fault(it, "wake")
             phases.run(it, "wake", p.engine.wake)
-        fault(it, "load_weights")
         checksum = phases.run(it, "load_weights", lambda: _sync_weights(p, version=it + 1), bytes_moved=weight_bytes)
-        fault(it, "rollout")
         with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar:
             rollout = phases.run(it, "rollout", lambda: p.driver.run_iteration(progress=bar))
         if p.release_pool:
-            fault(it, "sleep")
             pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
             phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)  # drops the fused copies too
         else:
@@ -218,21 +234,16 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
         groups = p.driver.take_finished_groups()
         local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
         if p.ranks.world > 1:  # the rollout -> train boundary: every rank has finished its rollout
-            fault(it, "gather")
             counts = phases.run(it, "gather", lambda: p.ranks.sum(local))
         else:
             counts = local
         num_groups, num_tokens, num_seqs = (int(c) for c in counts)
         if p.trainer.states_spilled:
-            fault(it, "restore")
             phases.run(it, "restore", p.trainer.restore_states, bytes_moved=p.trainer.optimizer.spilled_bytes)
-        fault(it, "train")
         train = (phases.run(it, "train", lambda: _train(p, groups, num_tokens, num_seqs)) if num_groups
                  else {"train_skipped": 1.0})
-        fault(it, "offload")
         phases.run(it, "offload", lambda: _offload_train_state(p),
                    bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
-        fault(it, "checkpoint")
         phases.run(it, "checkpoint", lambda: save_iteration(p, it))
         metrics, errors = _iteration_metrics(p, groups, rollout, train, phases.seconds)
         metrics["engine_checksum"] = checksum
@@ -243,10 +254,32 @@ def run_loop(parts: LoopParts, start: int, iterations: int,
                 f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
                 f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s")
         for error in errors:
-            p.tracker.console.print(f"[yellow]dropped[/yellow] {error}")
+            p.tracker.console.print(f"[yellow]dropped[/yellow] {escape(error)}")  # "[c]" is an answer, not markup
         phases.seconds.clear()
         history.append(metrics)
+        idle = 0 if metrics["groups_trained"] or metrics["trajectories_carried"] else idle + 1
+        _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
     return history
+
+
+def _check_breaker(it: int, metrics: dict[str, float], idle: int, max_drop_fraction: float,
+                   max_idle_iterations: int) -> None:
+    """RunBroken when iteration `it` (global `metrics`) dropped more than `max_drop_fraction` of the
+    trajectories it ended, or is the `max_idle_iterations`-th idle one in a row (`idle` counts them)."""
+    dropped, finished = int(metrics["trajectories_dropped"]), int(metrics["trajectories_finished"])
+    reasons = ", ".join(f"{r} {int(metrics[f'dropped/{r}'])}" for r in DROP_REASONS if metrics[f"dropped/{r}"])
+    reasons = f" ({reasons})" if reasons else ""
+    ended = dropped + finished
+    if dropped > max_drop_fraction * ended:
+        raise RunBroken(f"iteration {it}: {dropped} of the {ended} trajectories it ended were dropped{reasons}, "
+                        f"a fraction of {dropped / ended:.3g} > rollout.max_drop_fraction={max_drop_fraction:g}; "
+                        f"the run stops (each drop's reason is printed above; raise rollout.max_drop_fraction "
+                        f"to tolerate more)")
+    if idle >= max_idle_iterations:
+        raise RunBroken(f"iteration {it}: {idle} iterations in a row trained no group and carried nothing over "
+                        f"(experiment.max_idle_iterations={max_idle_iterations}); this one dropped "
+                        f"{dropped} trajectories{reasons} and finished {finished}; the run stops (raise "
+                        f"experiment.max_idle_iterations to wait longer)")
 
 
 def _sync_weights(p: LoopParts, version: int) -> int:

@@ -148,7 +148,8 @@ def weights_checksum(state: dict[str, torch.Tensor], slice_numel: int = 1 << 24)
 
 # How each per-rank metric of an iteration becomes the global one (merge_metrics).
 SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_carried", "env_errors", "loss",
-                    "rollout_dropped_too_long",
+                    "rollout_dropped_too_long", "trajectories_dropped", "dropped/too_long", "dropped/env_error",
+                    "dropped/timeout", "dropped/tokenizer", "dropped/bad_reward",
                     "train_tokens", "train_sequences", "loss/num_tokens"})
 """Counts, and the trainer's loss (each rank's share of the globally normalised loss)."""
 MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped"})

@@ -12,15 +12,26 @@ partial answer, computed under the new weights) or, with `partial_resume="kv"`, 
 paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
 Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
 (g % world == rank); a group stays on its rank until trained.
-An environment that raises drops that trajectory (counted, logged with its id); the run goes on.
-So does a context the engine can never run (`ContextTooLong`: longer than rollout.max_model_len,
-or more pages than the pool): checked before each request is submitted, it drops the trajectories
-the request continues (a first turn: the whole group, which is then skipped), logs a line with the
-token count and the limit, and counts them as `rollout_dropped_too_long`.
+Faults cost trajectories, never the run. Each of these drops the trajectories it hits, logs one
+line (who, the error, the reason) in `errors` and counts them as `dropped/<reason>` (and in
+`trajectories_dropped`); a fault before a group's first request (its prompt) drops the whole group,
+which is then skipped (GRPO needs the group), a later one drops only its trajectory:
+- `too_long`: a context the engine can never run (`ContextTooLong`: longer than
+  rollout.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
+  each request is submitted;
+- `env_error`: the task's factory, `reset` or `step` raised (or returned no StepResult);
+- `timeout`: one such call ran past `env_timeout_s` (it is left running on its daemon thread, its
+  environment is discarded);
+- `tokenizer`: encoding a prompt or observation, or decoding an answer, raised;
+- `bad_reward`: a step's reward is not a finite number.
+The circuit breaker over these counts lives in rl/orchestrator.py.
 """
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rl.tasks.base import Environment, make_task
@@ -37,6 +48,46 @@ def mix_seed(*parts: int) -> int:
         x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 31
     return x >> 2
+
+
+DROP_REASONS = ("too_long", "env_error", "timeout", "tokenizer", "bad_reward")
+"""Why a trajectory was dropped; each is the iteration metric `dropped/<reason>`."""
+
+
+class EnvTimeout(TimeoutError):
+    """An environment call did not return within the driver's `env_timeout_s`."""
+
+
+class Dropped(Exception):
+    """A fault that drops the trajectories it hit: `reason` (one of DROP_REASONS) and the error."""
+
+    def __init__(self, reason: str, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.reason, self.error = reason, error
+
+
+def call_with_timeout(fn: Callable[[], object], timeout_s: float | None, what: str) -> object:
+    """`fn()`, or EnvTimeout when it has not returned after `timeout_s` seconds (None: a plain call).
+    The call runs on a daemon thread that is abandoned on timeout (Python cannot stop it; a daemon
+    thread does not keep the process alive); whatever it raises is re-raised here."""
+    if timeout_s is None:
+        return fn()
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            out["error"] = err
+
+    thread = threading.Thread(target=target, name=f"env-call {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise EnvTimeout(f"{what} did not return within env_timeout_s={timeout_s:g}")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 @dataclass
@@ -74,12 +125,16 @@ class RolloutDriver:
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, *, group_size: int,
                  groups_per_iteration: int, max_new_tokens: int, sampling: dict, seed: int,
                  throttle: ThrottleConfig, budget_tokens: int | None = None, budget_seconds: float | None = None,
-                 partial_resume: str = "recompute", rank: int = 0, world: int = 1) -> None:
+                 partial_resume: str = "recompute", rank: int = 0, world: int = 1,
+                 env_timeout_s: float | None = 60.0) -> None:
         """groups_per_iteration counts global groups; with `world` > 1 ranks this driver generates only
         the groups g with g % world == rank (every seed derives from the run seed and the global g,
-        so the episodes and sampled tokens do not depend on the number of ranks)."""
+        so the episodes and sampled tokens do not depend on the number of ranks). `env_timeout_s`:
+        the limit of each environment call (factory, reset, step; None = no limit, plain calls)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
+        if env_timeout_s is not None and not env_timeout_s > 0:
+            raise ValueError(f"env_timeout_s={env_timeout_s}, expected > 0 seconds or None (no limit)")
         self.engine, self.tokenizer = engine, tokenizer
         self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
@@ -91,6 +146,7 @@ class RolloutDriver:
         self.max_new_tokens, self.sampling, self.seed = max_new_tokens, dict(sampling), seed
         self.throttle, self.partial_resume = throttle, partial_resume
         self.budget_tokens, self.budget_seconds = budget_tokens, budget_seconds
+        self.env_timeout_s = env_timeout_s
         self.next_group = 0
         self.carry: list[Trajectory] = []  # unfinished, carried over to the next iteration
         self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members
@@ -98,16 +154,45 @@ class RolloutDriver:
         self.envs: dict[str, Environment] = {}
         self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
         self.errors: list[str] = []
+        """One line per drop since the orchestrator last read them: who, the error, the reason."""
+
+    # ---- guarded calls: a fault becomes `Dropped` ------------------------------------------------------
+    def _env_call(self, what: str, fn: Callable, *args) -> object:
+        """`fn(*args)`, an environment call under `env_timeout_s`; raises Dropped("timeout" or "env_error")."""
+        try:
+            return call_with_timeout(lambda: fn(*args), self.env_timeout_s, what)
+        except EnvTimeout as err:
+            raise Dropped("timeout", err) from err
+        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
+            raise Dropped("env_error", err) from err
+
+    def _tokenizer_call(self, fn: Callable, *args, **kwargs) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            raise Dropped("tokenizer", err) from err
+
+    @staticmethod
+    def _reward(reward: object) -> float:
+        """The step's reward as a float; Dropped("bad_reward") unless it is a finite number."""
+        try:
+            value = float(reward)
+        except (TypeError, ValueError) as err:
+            raise Dropped("bad_reward", err) from err
+        if not math.isfinite(value):
+            raise Dropped("bad_reward", ValueError(f"reward={value}, expected a finite number"))
+        return value
 
     # ---- environments and requests ---------------------------------------------------------------------
     def _env(self, traj: Trajectory) -> Environment:
-        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume)."""
+        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume).
+        Raises Dropped."""
         env = self.envs.get(traj.traj_id)
         if env is None:
-            env = make_task(self.task_name, **self.task_params)
-            env.reset(mix_seed(self.seed, traj.group_id))
+            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
+            self._env_call("reset", env.reset, mix_seed(self.seed, traj.group_id))
             for answer in traj.answers:
-                env.step(answer)
+                self._env_call("step (replay)", env.step, answer)
             self.envs[traj.traj_id] = env
         return env
 
@@ -137,13 +222,8 @@ class RolloutDriver:
         request = self._request(trajs, stats)
         try:
             self.engine.check_context(len(request[0]))
-        except ContextTooLong as err:
-            traj = trajs[0]
-            who = (f"group {traj.group_id} ({len(trajs)} trajectories)" if len(trajs) > 1
-                   else f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1})")
-            self.errors.append(f"{who}: {type(err).__name__}: {err}")  # the tokens, the limit, the pages
-            for t in trajs:
-                self._drop(t, stats, "too_long")
+        except ContextTooLong as err:  # the message names the tokens, the limit, the pages
+            self._drop(trajs, Dropped("too_long", err), stats)
             return []
         return [request]
 
@@ -158,19 +238,25 @@ class RolloutDriver:
     def _end_turn(self, traj: Trajectory, stats: dict) -> bool:
         """Score the finished turn; True when another turn follows."""
         eos = self.engine.model.config.eos_token_id
-        answer = self.tokenizer.decode([t for t in traj.tokens[traj.turn_start:] if t != eos])
         try:
+            answer = self._tokenizer_call(self.tokenizer.decode, [t for t in traj.tokens[traj.turn_start:] if t != eos])
             env = self._env(traj)
-            result = env.step(answer)
-        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
-            self._env_error(traj, err, stats)
+            result = self._env_call("step", env.step, answer)
+            try:
+                raw_reward, done, observation = result.reward, result.done, result.observation
+            except AttributeError as err:
+                raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
+            reward = self._reward(raw_reward)
+            last = bool(done) or len(traj.answers) + 1 >= env.max_turns
+            obs = [] if last else self._tokenizer_call(self.tokenizer.encode, observation, add_bos=False)
+        except Dropped as fault:
+            self._drop([traj], fault, stats)
             return False
         traj.answers.append(answer)
-        traj.reward += float(result.reward)
-        if result.done or len(traj.answers) >= env.max_turns:
+        traj.reward += reward
+        if last:
             self._finish(traj, stats)
             return False
-        obs = self.tokenizer.encode(result.observation, add_bos=False)
         traj.tokens += obs
         traj.policy += [False] * len(obs)
         traj.logprobs += [0.0] * len(obs)
@@ -185,18 +271,20 @@ class RolloutDriver:
         self.waiting.setdefault(traj.group_id, []).append(traj)
         stats["finished"] += 1
 
-    def _env_error(self, traj: Trajectory, err: Exception, stats: dict) -> None:
-        self.errors.append(f"trajectory {traj.traj_id}: {type(err).__name__}: {err}")
-        self._drop(traj, stats, "env_errors")
-
-    def _drop(self, traj: Trajectory, stats: dict, reason: str) -> None:
-        """Take `traj` out of its group (counted in stats[reason]); a group left with no member is
-        forgotten: it is skipped, never trained."""
-        self.envs.pop(traj.traj_id, None)
-        self.group_sizes[traj.group_id] -= 1
-        stats[reason] += 1
-        if not self.group_sizes[traj.group_id]:
-            del self.group_sizes[traj.group_id]
+    def _drop(self, trajs: list[Trajectory], fault: Dropped, stats: dict) -> None:
+        """Take `trajs` (one trajectory, or a whole group before its first request) out of their group,
+        with one line in `errors` and counted in stats["dropped/<reason>"]; a group left with no member
+        is forgotten: it is skipped, never trained."""
+        traj = trajs[0]
+        who = (f"group {traj.group_id} ({len(trajs)} trajectories)" if len(trajs) > 1
+               else f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1})")
+        self.errors.append(f"{who}: {fault} (reason: {fault.reason})")
+        for t in trajs:
+            self.envs.pop(t.traj_id, None)
+            self.group_sizes[t.group_id] -= 1
+            stats[f"dropped/{fault.reason}"] += 1
+            if not self.group_sizes[t.group_id]:
+                del self.group_sizes[t.group_id]
 
     @property
     def groups_next_iteration(self) -> int:
@@ -210,7 +298,7 @@ class RolloutDriver:
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
-        stats = {"tokens": 0, "env_errors": 0, "too_long": 0, "finished": 0}
+        stats = {"tokens": 0, "finished": 0, **{f"dropped/{reason}": 0 for reason in DROP_REASONS}}
         carry, self.carry = self.carry, []
         paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
         for traj in carry:
@@ -229,13 +317,13 @@ class RolloutDriver:
                 continue  # another rank's share
             trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0) for m in range(self.group_size)]
             self.group_sizes[group] = self.group_size
-            try:
-                text = make_task(self.task_name, **self.task_params).reset(mix_seed(self.seed, group))
-            except Exception as err:  # noqa: BLE001
-                for t in trajs:
-                    self._env_error(t, err, stats)
+            try:  # the group's prompt: a fault here drops the whole group
+                env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
+                text = self._env_call("reset", env.reset, mix_seed(self.seed, group))
+                prompt = self._tokenizer_call(self.tokenizer.encode, text)
+            except Dropped as fault:
+                self._drop(trajs, fault, stats)
                 continue
-            prompt = self.tokenizer.encode(text)
             for t in trajs:
                 t.tokens, t.policy = list(prompt), [False] * len(prompt)
                 t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
@@ -257,10 +345,13 @@ class RolloutDriver:
         if dispatcher.auto is not None:
             self.auto_limit = dispatcher.auto.limit
         seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
+        dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
         return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
-                "env_errors": float(stats["env_errors"]), "rollout_dropped_too_long": float(stats["too_long"])}
+                **dropped, "trajectories_dropped": sum(dropped.values()),
+                # the names before the drops had reasons, kept for older readers
+                "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
 
     def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
         """Budget reached: everything not finished becomes carry-over (paused with its KV, or with

@@ -145,11 +145,16 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
 
 
 def _fault_from_env():
-    """HYBRIDRL_FAULT="<phase>:<iteration>" kills this process with SIGKILL as that phase starts
-    (the resume test's crash; never set in normal runs)."""
+    """A test's crash: HYBRIDRL_FAULT="<phase>:<iteration>" kills this process with SIGKILL as that
+    phase starts, honoured only with HYBRIDRL_TEST_FAULTS=1 as well (a stray variable in a
+    production environment is ignored, with a warning). None when no fault is armed."""
     spec = os.environ.get("HYBRIDRL_FAULT")
     if not spec:
-        return lambda iteration, phase: None
+        return None
+    if os.environ.get("HYBRIDRL_TEST_FAULTS") != "1":
+        print(f"HYBRIDRL_FAULT={spec!r} is ignored: fault injection is a test hook, armed only with "
+              f"HYBRIDRL_TEST_FAULTS=1", file=sys.stderr)
+        return None
     phase_name, at = spec.split(":")
 
     def fault(iteration: int, phase: str) -> None:
@@ -190,7 +195,8 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         start = load_latest(parts) + 1
         parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}"
                                     + (f" on {ranks.world} ranks" if ranks.world > 1 else ""))
-    history = run_loop(parts, start, cfg.experiment.iterations, fault=_fault_from_env())
+    history = run_loop(parts, start, cfg.experiment.iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
+                       max_idle_iterations=cfg.experiment.max_idle_iterations, fault=_fault_from_env())
     if ranks.is_writer:
         parts.tracker.finish(_summary(run_dir))
     ranks.barrier()  # rank 0's files are complete when any rank returns

@@ -90,7 +90,7 @@ def cli(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.Comp
     env = dict(os.environ)
     env.pop("HYBRIDRL_FAULT", None)
     if fault:
-        env["HYBRIDRL_FAULT"] = fault
+        env.update(HYBRIDRL_FAULT=fault, HYBRIDRL_TEST_FAULTS="1")
     return subprocess.run([sys.executable, "-m", "rl.train", f"run_dir={run_dir}", "experiment.iterations=3",
                            *SMALL, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
