@@ -143,9 +143,20 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype | None:
     return dtype
 
 
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)` to a temporary name, fsync it, rename it over `path` (its directory is fsynced
+    once by the caller, after all renames)."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
 
 
@@ -154,7 +165,8 @@ def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | No
 
     With `max_shard_bytes`, tensors are split across `model-0000i-of-0000n.safetensors` shards (in
     state-dict order) plus `model.safetensors.index.json`. Each file is written under a temporary
-    name and renamed, and files of an older save that the new one does not use are removed last.
+    name, fsynced and renamed, and files of an older save that the new one does not use are removed
+    last; the directory is fsynced before returning, so the files survive a power loss.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -186,4 +198,5 @@ def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | No
         stale += [path / INDEX_FILE] if (path / INDEX_FILE).exists() else []
     for p in stale:
         p.unlink()
+    _fsync(path, directory=True)
     return path

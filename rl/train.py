@@ -37,7 +37,7 @@ from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig, register_configs, to_run_config
-from rl.checkpoint import check_world_size, latest_info, load_latest
+from rl.checkpoint import check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
@@ -176,23 +176,26 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
 
 def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
     run_dir = Path(cfg.run_dir)
-    # every rank must see the same run_dir (a shared filesystem across nodes)
-    info = ranks.check_same(f"run_dir {str(run_dir)!r}'s last checkpoint", latest_info(run_dir / "checkpoints"))
-    if info is not None and not cfg.resume:
-        raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last complete iteration "
-                              f"{info['iteration']}); pass resume=true to continue it or choose another run_dir")
-    if info is not None:
-        check_world_size(info, ranks.world, run_dir / "checkpoints")
-    last = info["iteration"] if info is not None else None
     checkpoints = run_dir / "checkpoints"
-    check_checkpoint_dtypes(cfg, checkpoints / (checkpoints / "latest").read_text().strip()
-                            if cfg.resume and last is not None else None)
-    parts = build(cfg, resume_from=last if cfg.resume else None, ranks=ranks)
+    # every rank must see the same run_dir (a shared filesystem across nodes)
+    marker = ranks.check_same(f"run_dir {str(run_dir)!r}'s last checkpoint", published(checkpoints))
+    if marker is not None and not cfg.resume:
+        raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last checkpoint {marker!r}); "
+                              f"pass resume=true to continue it or choose another run_dir")
+    # the newest checkpoint that verifies against its manifest (older ones when the newest is damaged)
+    resume_path = resumable(checkpoints, ranks) if cfg.resume and marker is not None else None
+    last = None
+    if resume_path is not None:
+        info = checkpoint_info(resume_path)
+        check_world_size(info, ranks.world, checkpoints)
+        last = info["iteration"]
+    check_checkpoint_dtypes(cfg, resume_path)
+    parts = build(cfg, resume_from=last, ranks=ranks)
     parts.tracker.console.print(f"device {ranks.device} (experiment.device={cfg.experiment.device}), "
                                 f"{ranks.world} rank{'s' if ranks.world > 1 else ''}")
     start = 0
-    if cfg.resume and last is not None:
-        start = load_latest(parts) + 1
+    if resume_path is not None:
+        start = load_iteration(parts, resume_path) + 1
         parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}"
                                     + (f" on {ranks.world} ranks" if ranks.world > 1 else ""))
     history = run_loop(parts, start, cfg.experiment.iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
