@@ -152,7 +152,8 @@ SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_car
                     "dropped/timeout", "dropped/tokenizer", "dropped/bad_reward",
                     "train_tokens", "train_sequences", "loss/num_tokens"})
 """Counts, and the trainer's loss (each rank's share of the globally normalised loss)."""
-MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped"})
+MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped",
+                   "grad_norm", "grad_clip_coef", "nonfinite_grad"})
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
 TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""

@@ -114,7 +114,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     t = cfg.trainer
     trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, chunk_split=t.chunk_split,
                                             num_grad_slots=t.num_grad_slots,
-                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps),
+                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps,
+                                            max_grad_norm=t.max_grad_norm),
                       group=ranks.group, ledger=ledger)
     r = cfg.rollout
     driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params,

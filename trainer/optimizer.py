@@ -106,6 +106,22 @@ class ShardedHostAdamW:
         master = self.masters[chunk]
         master.grad = shard.clone() if master.grad is None else master.grad.add_(shard)
 
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient shards over every chunk: a 0-dim FP32 tensor on the
+        host (inf/NaN when any gradient element is). Summed over ranks it is the squared global norm
+        (the shards partition each chunk's flat gradient; padding is zero). Between the last
+        `add_grad` of a step and `step`."""
+        missing = [c for c, m in enumerate(self.masters) if m.grad is None]
+        if missing:
+            raise RuntimeError(f"gradient norm without gradients for chunks {missing}")
+        return torch.stack([torch.linalg.vector_norm(m.grad).square() for m in self.masters]).sum()
+
+    @torch.no_grad()
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        """Multiply every gradient shard by `factor` (a 0-dim FP32 tensor: the clip coefficient)."""
+        for master in self.masters:
+            master.grad.mul_(factor)
+
     @torch.no_grad()
     def step(self) -> None:
         """Update every master shard, then all-gather the shards into the model's parameters."""

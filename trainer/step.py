@@ -5,8 +5,9 @@
 
 Per chunk, last to first: acquire an arena slot and make the chunk's parameter `.grad`s views of
 it (autograd accumulates into them in place); backward; sum the slot over data-parallel ranks and
-hand this rank's slice to the host optimizer; drop the views and release the slot. Then the host
-AdamW updates its FP32 shards and all-gathers them into the model.
+hand this rank's slice to the host optimizer; drop the views and release the slot. Then the
+gradient guard (the global FP32 norm of the host shards: clip to `max_grad_norm`, skip the step
+when it is not finite), and the host AdamW updates its FP32 shards and all-gathers them into the model.
 
 bf16 parameters (Megatron's mixed-precision recipe, models/precision.py): the slot views become
 each parameter's `main_grad`; a post-accumulate-grad hook adds every backward's bf16 `.grad` into
@@ -25,6 +26,7 @@ rank receives only the summed slice its host optimizer owns.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,9 +76,15 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Host AdamW settings."""
     max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss that are skipped before training stops with an error."""
+    """Consecutive steps with a non-finite loss or gradient norm that are skipped before training
+    stops with an error."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (FP32, over every rank's shards) to this, torch's
+    `clip_grad_norm_` rule; None = no clipping (a non-finite norm still skips the step)."""
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm}, expected > 0 or None (no clipping)")
         if self.num_grad_slots < 1:
             raise ValueError(f"num_grad_slots={self.num_grad_slots}, expected >= 1")
         if self.max_bad_steps < 0:
@@ -222,8 +230,13 @@ class Trainer:
         by the global token count): gradients are summed, not averaged.
         micro_batch_tokens: token budget of one micro-batch (sequences packed greedily in order; a
         longer sequence runs alone); None = one micro-batch. Gradients accumulate on the host.
-        A non-finite loss (on any rank) skips the update (weights and optimizer untouched, logged in
-        the metrics); more than `max_bad_steps` in a row raise FloatingPointError.
+        Gradient guard, after every chunk is reduced and before any update: the global gradient norm
+        (FP32: each rank's squared shards summed, then one all-reduce) is `grad_norm` in the metrics
+        (before clipping); with `max_grad_norm` every shard is scaled by
+        min(1, max_grad_norm / (grad_norm + 1e-6)) (`grad_clip_coef`). A non-finite loss or gradient
+        norm (on any rank) skips the update on every rank (weights, masters, AdamW moments and step
+        counters untouched; `skipped` = 1, `nonfinite_grad` = 1 when the loss was finite but a
+        gradient was not); more than `max_bad_steps` such steps in a row raise FloatingPointError.
         """
         if self.states_spilled:
             raise RuntimeError("train_step while the optimizer states are spilled to "
@@ -267,31 +280,63 @@ class Trainer:
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
             loss = loss + part
         self.arena.check_integrity()
-        finite = torch.isfinite(loss).float()[None]  # [1]
+        # Every chunk's gradient is reduced into the host shards (the optimizer steps all chunks
+        # together, below): one all-reduce carries the ranks' non-finite loss count and their squared
+        # gradient shards, so every rank sees the same global norm and takes the same decision.
+        stats = torch.stack([(~torch.isfinite(loss.detach())).float(),
+                             self.optimizer.grad_square_sum().to(comm)])  # [2]
         if self.optimizer.world > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
-        loss_value, all_finite = torch.cat([loss.detach()[None], finite]).tolist()  # the step's one host sync
+            dist.all_reduce(stats, group=self.group)
+        loss_value, bad_losses, grad_norm = torch.cat([loss.detach()[None], stats[:1], stats[1:].sqrt()]).tolist()
+        # (the step's one host sync)
         metrics = {"loss": loss_value, "micro_batches": float(len(plan)),
-                   "grad_slots_high_water": float(self.arena.high_water_slots)}
-        if not all_finite:
+                   "grad_slots_high_water": float(self.arena.high_water_slots), "grad_norm": grad_norm}
+        if bad_losses or not math.isfinite(grad_norm):
             self.optimizer.zero_grad()
             self.bad_steps_in_a_row += 1
+            what = "loss" if bad_losses else "gradient norm"
             if self.bad_steps_in_a_row > self.config.max_bad_steps:
-                raise FloatingPointError(f"non-finite loss in {self.bad_steps_in_a_row} consecutive steps "
-                                         f"(max_bad_steps={self.config.max_bad_steps}); last loss {loss_value}")
-            return {**metrics, "skipped": 1.0}
+                raise FloatingPointError(f"non-finite {what} in {self.bad_steps_in_a_row} consecutive steps "
+                                         f"(max_bad_steps={self.config.max_bad_steps}); last loss {loss_value}, "
+                                         f"gradient norm {grad_norm}")
+            return {**metrics, "grad_clip_coef": 0.0, "skipped": 1.0, "nonfinite_grad": float(not bad_losses)}
         self.bad_steps_in_a_row = 0
+        coef = 1.0
+        if self.config.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1, in FP32
+            clip = (self.config.max_grad_norm / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)).clamp(max=1.0)
+            if clip < 1:
+                self.optimizer.scale_grads(clip)
+            coef = clip.item()
+        metrics.update(grad_clip_coef=coef, nonfinite_grad=0.0)
         self.optimizer.step()
         self.step_count += 1
         self._sync_ledger()  # Adam's moments appear at the first step
         return {**metrics, "skipped": 0.0}
 
     # ---- checkpoints ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def check_weights_finite(self, what: str) -> None:
+        """Raise FloatingPointError (`what`, then the first parameter, in model order, holding inf or
+        NaN on any rank) unless every weight is finite: one reduction over the parameters (and one
+        all-reduce over the ranks), one host sync."""
+        named = list(self.model.named_parameters())
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).float()  # [num_params]
+        if self.optimizer.world > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
+        bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+        if bad:
+            raise FloatingPointError(f"{what}: parameter {bad[0]!r} holds non-finite values (inf or NaN)"
+                                     + (f", and {len(bad) - 1} more parameters" if len(bad) > 1 else ""))
+
     def save(self, path: str | Path) -> Path:
         """Weights (HF safetensors dir, written by rank 0), this rank's optimizer shard, step metadata.
         While the states are spilled they are read back for the write (leased meanwhile) and freed
-        again; the spill files stay, so the trainer is still spilled after."""
+        again; the spill files stay, so the trainer is still spilled after. Refused (FloatingPointError
+        naming the first non-finite parameter, on every rank, before anything is written) when a
+        weight is inf or NaN: a broken model never replaces a good checkpoint."""
         path = Path(path)
+        self.check_weights_finite(f"refusing to save a checkpoint to {path}")
         path.mkdir(parents=True, exist_ok=True)
         rank, world = self.optimizer.rank, self.optimizer.world
         if rank == 0:
@@ -333,6 +378,7 @@ class Trainer:
                              f"that split); this trainer has chunk_split={self.config.chunk_split!r}")
         load_weights_into(self.model, path, assign=False)  # keep the Parameter objects the optimizer holds
         # host states: saved from the host, loaded onto it whatever device the model is on
-        self.optimizer.load_state_dict(torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt", map_location="cpu"))
+        shard = torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt", map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(shard)
         self.step_count = meta["step"]
         self._sync_ledger()
