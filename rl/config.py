@@ -74,6 +74,9 @@ class RolloutConfig:
     budget_seconds: float | None = None
     """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
     time budget."""
+    env_timeout_s: float | None = 60.0
+    """Seconds each environment call (reset, step, reward) may take before its trajectory is
+    dropped (reason "timeout"); null = no limit."""
     max_drop_fraction: float = 0.5
     """Circuit breaker: the run stops with an error when more than this share of an iteration's
     trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
@@ -114,6 +117,8 @@ class RolloutConfig:
         if self.max_new_tokens >= self.max_model_len:
             raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt under "
                              f"rollout.max_model_len={self.max_model_len}; expected max_new_tokens < max_model_len")
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"rollout.env_timeout_s={self.env_timeout_s}, expected > 0 or null (no limit)")
         if not 0 <= self.max_drop_fraction <= 1:
             raise ValueError(f"rollout.max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
         if self.max_num_batched_tokens < 1:

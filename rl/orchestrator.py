@@ -41,6 +41,7 @@ from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.model import HybridLM
 from rl.checkpoint import save_iteration
+from rl.config import CheckpointConfig
 from rl.plan_activation import SavedTensorMeter
 from rl.plan_model import with_totals
 from rl.ranks import Ranks, merge_metrics, weights_checksum
@@ -203,6 +204,8 @@ class LoopParts:
     """Where the optimizer's host states are spilled between iterations (memory.spill_dir); None = no spill."""
     ranks: Ranks = field(default_factory=Ranks)
     """This process's place among the data-parallel ranks (one process: rank 0 of 1)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When to checkpoint and what to keep (checkpoint.every / keep_last / keep_every)."""
 
     @property
     def device(self) -> torch.device:
@@ -244,10 +247,16 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
                  else {"train_skipped": 1.0})
         phases.run(it, "offload", lambda: _offload_train_state(p),
                    bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
-        phases.run(it, "checkpoint", lambda: save_iteration(p, it))
         metrics, errors = _iteration_metrics(p, groups, rollout, train, phases.seconds)
         metrics["engine_checksum"] = checksum
+        # Logged before the checkpoint publishes `latest`: a crash in between costs a re-run of this
+        # iteration (whose metrics the resume then replaces), never a published iteration without
+        # its metrics. (The checkpoint's own seconds are in phases.jsonl.)
         p.tracker.log(it, metrics)
+        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1))
+        if train.get("skipped"):
+            p.tracker.console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
+                                    f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")
         if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
             p.tracker.console.print(
                 f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "

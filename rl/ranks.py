@@ -15,6 +15,7 @@ the only rank that writes metrics, plots, wandb and the console.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -81,13 +82,15 @@ def require_same(what: str, per_rank: list) -> object:
     return per_rank[0]
 
 
-def init_ranks(device_type: str = "cpu") -> Ranks:
+def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0) -> Ranks:
     """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR/PORT); one process (`Ranks(device=...)`, no process group) when WORLD_SIZE is unset or
     1. device_type "cuda": this rank's device is GPU LOCAL_RANK, made the current CUDA device (a node
     needs a GPU per rank: ValueError otherwise, before any process group starts); "cpu": the CPU.
     With several ranks, starts torch.distributed (nccl for "cuda", else gloo) and megatron-core's
-    parallel_state (TP = PP = 1: every rank is one data-parallel replica). Undo with `shutdown`."""
+    parallel_state (TP = PP = 1: every rank is one data-parallel replica). Undo with `shutdown`.
+    `timeout_s` (experiment.collective_timeout_s): a collective waiting longer for a peer fails
+    instead of hanging (a dead rank's peers usually fail at once: its connections close)."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type={device_type!r}, expected 'cpu' or 'cuda'")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,7 +109,7 @@ def init_ranks(device_type: str = "cpu") -> Ranks:
     if world == 1:
         return Ranks(device=device)
     rank = int(os.environ["RANK"])
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

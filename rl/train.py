@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from memory.host_ledger import HostLedger, mem_available_bytes
-from memory.nvme_store import NvmeStore
+from memory.nvme_store import NvmeStore, owner_directory
 from models.checkpoint import checkpoint_dtype, load_weights
 from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
@@ -125,10 +125,15 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                            seed=cfg.seed, throttle=ThrottleConfig(max_concurrency=r.concurrency),
                            budget_tokens=None if r.budget_tokens is None else -(-r.budget_tokens // ranks.world),
                            budget_seconds=r.budget_seconds,
-                           partial_resume=r.partial_resume, rank=ranks.rank, world=ranks.world)
+                           partial_resume=r.partial_resume, rank=ranks.rank, world=ranks.world,
+                           env_timeout_s=r.env_timeout_s)
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
-    store = NvmeStore(run_dir / cfg.memory.spill_dir) if cfg.memory.spill_dir is not None else None
+    # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
+    # own store in it: every store locks its directory (memory/nvme_store.py).
+    store = (NvmeStore(owner_directory(run_dir / cfg.memory.spill_dir, run_dir) / f"rank{ranks.rank}",
+                       owner=f"run {run_dir.resolve()} rank {ranks.rank}")
+             if cfg.memory.spill_dir is not None else None)
     tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
     ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU, in the run's dtype
@@ -142,7 +147,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
-                     ranks=ranks)
+                     ranks=ranks, checkpoint=cfg.checkpoint)
 
 
 def _fault_from_env():
@@ -168,7 +173,8 @@ def _fault_from_env():
 def run(cfg: RunConfig) -> list[dict[str, float]]:
     """One run (or its continuation with cfg.resume); returns the metrics of the iterations run
     (global over ranks, on every rank). Under torchrun the process group lives for this call."""
-    ranks = init_ranks(cfg.experiment.device_type)  # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
+    # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
+    ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s)
     try:
         return _run(cfg, ranks)
     finally:

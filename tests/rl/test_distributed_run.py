@@ -142,8 +142,9 @@ def test_a_rank_without_work_joins_every_collective_and_resume_keeps_the_run(run
     assert two[1]["loss/kl"] > 0  # the policy left the reference after iteration 0
     a, b = final_weights(runs["one_no_work"]), final_weights(runs["two_no_work"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    spilled = sorted(f.name for f in (runs["two_no_work"] / "nvme").glob("*.spill"))
-    assert spilled == [f"train_states.rank{r}.chunk{c}.spill" for r in range(2) for c in range(2)]
+    # each rank its own store (and lock) in the run's subdirectory of memory.spill_dir
+    spilled = sorted(f"{f.parent.name}/{f.name}" for f in (runs["two_no_work"] / "nvme").rglob("*.spill"))
+    assert spilled == [f"rank{r}/train_states.rank{r}.chunk{c}.spill" for r in range(2) for c in range(2)]
 
 
 def test_resume_with_another_number_of_ranks_is_refused(runs):
