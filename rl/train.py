@@ -177,8 +177,31 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
     ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s)
     try:
         return _run(cfg, ranks)
+    except Exception as err:
+        if ranks.world > 1 and _collective_failure(err):
+            raise RankLost(f"rank {ranks.rank}: a collective with the other ranks failed ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}): a peer rank died, or stalled longer "
+                           f"than experiment.collective_timeout_s={cfg.experiment.collective_timeout_s:g}; restart "
+                           f"every rank with resume=true to continue from the last checkpoint") from err
+        raise
     finally:
         shutdown(ranks)
+
+
+class RankLost(RuntimeError):
+    """A collective failed because a peer rank died or timed out (the run resumes from its checkpoint)."""
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether `err` (or what it was raised from) is torch.distributed's report of a lost peer."""
+    while err is not None:
+        text = str(err)
+        if isinstance(err, torch.distributed.DistError) or any(
+                s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out",
+                                    "timed out", "gloo", "NCCL", "Broken pipe")):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
