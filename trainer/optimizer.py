@@ -273,6 +273,23 @@ class ShardedHostAdamW:
                 raise ValueError(f"optimizer shard shape {tuple(saved.shape)} != expected {tuple(master.shape)}")
             master.copy_(saved)
         self.adam.load_state_dict(state["adam"])
+        if self.backend == "deepspeed":
+            self._replay_deepspeed_steps()
+
+    def _replay_deepspeed_steps(self) -> None:
+        """DeepSpeed's C++ Adam keeps beta^t between calls: the first parameter of a step multiplies
+        the previous power by beta, the others recompute pow(beta, t), and a fresh object starts
+        from pow. A loaded optimizer replays every past step's call sequence on empty tensors, so its
+        powers, and with them a resumed run, are bit for bit those of the run that never stopped."""
+        group = self.adam.param_groups[0]
+        stepped = [p for p in group["params"] if self.adam.state.get(p)]
+        steps = int(self.adam.state[stepped[0]]["step"]) if stepped else 0
+        empty = torch.empty(0)
+        for step in range(1, steps + 1):
+            for _ in stepped:
+                self.adam.ds_opt_adam.adam_update(self.adam.opt_id, step, group["lr"], *group["betas"], group["eps"],
+                                                  group["weight_decay"], group["bias_correction"], empty, empty,
+                                                  empty, empty)
 
     def host_bytes_by_kind(self) -> dict[str, int]:
         """`host_bytes()` split by what the bytes are: "masters" (FP32 master shards), "grads" (their
