@@ -50,6 +50,7 @@ from rl.rollout import RolloutDriver
 from trainer.step import Trainer
 
 MANIFEST = "manifest.json"
+RUN_CONFIG = "run_config.json"
 LATEST = "latest"
 _COMPLETE = re.compile(r"^iter_(\d+)$")
 _RANK_FILE = re.compile(r"-rank(\d+)\.")
@@ -100,6 +101,9 @@ def save_iteration(p: CheckpointParts, iteration: int, config: CheckpointConfig 
     torch.save(rng, tmp / f"rng-rank{ranks.rank}.pt")
     if ranks.is_writer:
         (tmp / "iteration.json").write_text(json.dumps({"iteration": iteration, "world_size": ranks.world}))
+        run_config = getattr(p, "run_config", None)
+        if run_config:  # the run's resolved config: a resume refuses changes outside RESUME_MAY_CHANGE
+            (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=1, sort_keys=True) + "\n")
     ranks.barrier()  # every rank's files are written
     entries = {}
     for rel in _owned_files(tmp, ranks.rank):  # each rank syncs and digests its own files (in parallel)

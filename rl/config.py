@@ -328,10 +328,14 @@ class RunConfig:
     seed: int = 0
     run_dir: str = "runs/cpu_demo"
     """Where checkpoints, metrics, plots and wandb files go (also Hydra's run dir)."""
-    resume: bool = False
-    """Continue from the last complete iteration in run_dir."""
+    resume: Any = False
+    """false: a new run (a run_dir holding one is refused); true: continue from the newest checkpoint
+    that verifies, or start a new run when there is none (said on stderr); "must": continue, and refuse
+    when there is no checkpoint. A resume may change only rl/train.py's RESUME_MAY_CHANGE keys."""
 
     def __post_init__(self) -> None:
+        if self.resume not in (False, True, "must"):
+            raise ValueError(f"resume={self.resume!r}, expected false, true or must")
         if (self.rollout.partial_resume == "kv" and self.memory.release_pool_in_train
                 and self.memory.host_pool_mb == 0):
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "

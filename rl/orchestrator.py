@@ -206,6 +206,8 @@ class LoopParts:
     """This process's place among the data-parallel ranks (one process: rank 0 of 1)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When to checkpoint and what to keep (checkpoint.every / keep_last / keep_every)."""
+    run_config: dict = field(default_factory=dict)
+    """The run's resolved config (JSON-able), stored in each checkpoint for the resume's drift check."""
 
     @property
     def device(self) -> torch.device:

@@ -33,11 +33,12 @@ from omegaconf import DictConfig
 from memory.host_ledger import HostLedger, mem_available_bytes
 from memory.nvme_store import NvmeStore, owner_directory
 from models.checkpoint import checkpoint_dtype, load_weights
+from models.config import ModelConfig
 from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig, register_configs, to_run_config
-from rl.checkpoint import check_world_size, checkpoint_info, load_iteration, published, resumable
+from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
@@ -56,10 +57,72 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
     seeded random init drawn in FP32 and then cast (so fp32 and bf16 runs start from the same draw)."""
     model = HybridLM(cfg.model)
     if cfg.experiment.checkpoint is not None:
+        check_checkpoint_model(cfg)
         load_weights(model, cfg.experiment.checkpoint, assign=False)
     else:
         model.init_weights(seed=cfg.seed, std=cfg.experiment.init_std)
     return cast_parameters(model, cfg.experiment.torch_dtype)
+
+
+RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s", "experiment.max_idle_iterations",
+                     "tracking.", "checkpoint.", "rollout.budget_tokens", "rollout.budget_seconds",
+                     "rollout.max_drop_fraction", "rollout.env_timeout_s", "resume", "run_dir",
+                     "experiment.checkpoint")
+"""Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
+on, its checkpoints' cadence, its budgets and fault limits (and experiment.checkpoint, read only by a
+new run). Any other change is refused."""
+
+
+def resolved_config(cfg: RunConfig) -> dict:
+    """The run's config as plain JSON values (what the tracker logs and each checkpoint stores)."""
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def _flatten(tree, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def check_checkpoint_model(cfg: RunConfig) -> None:
+    """Refuse experiment.checkpoint when its config.json describes another model than the `model`
+    group (every differing field named: a shape-preserving difference such as rms_norm_eps or the
+    routing scale would otherwise load silently)."""
+    path = Path(cfg.experiment.checkpoint)
+    stored = path / "config.json"
+    if not stored.exists():
+        raise FileNotFoundError(f"experiment.checkpoint={str(path)!r} has no config.json (a Hugging Face checkpoint "
+                                f"directory is expected)")
+    theirs = asdict(ModelConfig.from_hf_dict(json.loads(stored.read_text())))
+    ours = asdict(cfg.model)
+    diff = [f"{k}: {theirs[k]!r} in the checkpoint, {ours.get(k)!r} in the model group"
+            for k in sorted(theirs) if theirs[k] != ours.get(k)]
+    if diff:
+        raise ValueError(f"experiment.checkpoint={str(path)!r} is another model than the config's `model` group: "
+                         + "; ".join(diff) + ". Choose the model group that matches it (or override those keys)")
+
+
+def check_config_drift(cfg: RunConfig, resume_path: Path) -> None:
+    """Refuse a resume whose config differs from the one the checkpoint was written with, outside
+    RESUME_MAY_CHANGE, naming every differing key with both values. A checkpoint from before configs
+    were stored is resumed with a warning."""
+    stored = resume_path / RUN_CONFIG
+    if not stored.exists():
+        print(f"WARNING: {resume_path} stores no run config (written before {RUN_CONFIG}); the resume cannot "
+              f"check that the config is unchanged", file=sys.stderr)
+        return
+    before, now = _flatten(json.loads(stored.read_text())), _flatten(resolved_config(cfg))
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k, "<absent>") != now.get(k, "<absent>")
+                     and not any(k == w or (w.endswith(".") and k.startswith(w)) for w in RESUME_MAY_CHANGE))
+    if changed:
+        diff = "; ".join(f"{k}: {before.get(k, '<absent>')!r} in the checkpoint, {now.get(k, '<absent>')!r} now"
+                         for k in changed)
+        raise ValueError(f"resume from {resume_path} with a changed config: {diff}. A resume may change only "
+                         f"{', '.join(RESUME_MAY_CHANGE)}; start a new run_dir (experiment.checkpoint=<a "
+                         f"checkpoint's dir> starts from its weights) to change anything else")
 
 
 def check_checkpoint_dtypes(cfg: RunConfig, resume_path: Path | None) -> None:
@@ -134,7 +197,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     store = (NvmeStore(owner_directory(run_dir / cfg.memory.spill_dir, run_dir) / f"rank{ranks.rank}",
                        owner=f"run {run_dir.resolve()} rank {ranks.rank}")
              if cfg.memory.spill_dir is not None else None)
-    tracker = Tracker(run_dir, cfg.tracking, json.loads(json.dumps(asdict(cfg), default=str)),
+    tracker = Tracker(run_dir, cfg.tracking, resolved_config(cfg),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
     ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU, in the run's dtype
     if ref is not None and cfg.memory.reference == "stream":
@@ -147,7 +210,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
-                     ranks=ranks, checkpoint=cfg.checkpoint)
+                     ranks=ranks, checkpoint=cfg.checkpoint, run_config=resolved_config(cfg))
 
 
 def _fault_from_env():
@@ -219,7 +282,15 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         info = checkpoint_info(resume_path)
         check_world_size(info, ranks.world, checkpoints)
         last = info["iteration"]
-    check_checkpoint_dtypes(cfg, resume_path)
+    if cfg.resume is True and marker is None:
+        print(f"resume=true: run_dir {str(run_dir)!r} holds no checkpoint yet, starting a new run "
+              f"(resume=must refuses instead)", file=sys.stderr)
+    if cfg.resume == "must" and resume_path is None:
+        raise FileNotFoundError(f"resume=must but run_dir {str(run_dir)!r} holds no checkpoint to resume "
+                                f"({checkpoints} has none); use resume=true to start fresh when there is none")
+    check_checkpoint_dtypes(cfg, resume_path)  # first: its message says exactly what to set
+    if resume_path is not None:
+        check_config_drift(cfg, resume_path)
     parts = build(cfg, resume_from=last, ranks=ranks)
     parts.tracker.console.print(f"device {ranks.device} (experiment.device={cfg.experiment.device}), "
                                 f"{ranks.world} rank{'s' if ranks.world > 1 else ''}")
