@@ -79,7 +79,7 @@ def is_due(iteration: int, config: CheckpointConfig, final: bool) -> bool:
 
 
 def save_iteration(p: CheckpointParts, iteration: int, config: CheckpointConfig = CheckpointConfig(),
-                   final: bool = False) -> Path | None:
+                   final: bool = False, fault: Callable[[int, str], None] | None = None) -> Path | None:
     """Write and publish iteration `iteration`'s checkpoint (module docstring: the order, the
     fsyncs, retention), or nothing when it is not due (`is_due`: returns None). `final`: the run's
     last iteration (always saved). Collective over the ranks: on return the checkpoint is published
@@ -116,10 +116,14 @@ def save_iteration(p: CheckpointParts, iteration: int, config: CheckpointConfig 
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_tree(tmp)
         fsync_dir(p.checkpoint_dir)
+        if fault is not None:  # tests: a crash with the checkpoint written, not yet renamed
+            fault(iteration, "checkpoint_written")
         shutil.rmtree(final_dir, ignore_errors=True)  # a stale one of an abandoned timeline (resumed before it)
         os.replace(tmp, final_dir)
         fsync_dir(p.checkpoint_dir)
         write_durable(p.checkpoint_dir / LATEST, final_dir.name.encode())
+        if fault is not None:  # tests: a crash with `latest` moved, the old checkpoints not yet retired
+            fault(iteration, "checkpoint_published")
         _retire(p.checkpoint_dir, iteration, config)
     ranks.barrier()  # published before any rank goes on
     return final_dir

@@ -255,7 +255,8 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         # iteration (whose metrics the resume then replaces), never a published iteration without
         # its metrics. (The checkpoint's own seconds are in phases.jsonl.)
         p.tracker.log(it, metrics)
-        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1))
+        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1,
+                                                            fault=phases.fault))
         if train.get("skipped"):
             p.tracker.console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
                                     f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")

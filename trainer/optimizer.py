@@ -284,7 +284,7 @@ class ShardedHostAdamW:
         group = self.adam.param_groups[0]
         stepped = [p for p in group["params"] if self.adam.state.get(p)]
         steps = int(self.adam.state[stepped[0]]["step"]) if stepped else 0
-        empty = torch.empty(0)
+        empty = torch.empty(0, device="cpu")  # host Adam: its states are on the host
         for step in range(1, steps + 1):
             for _ in stepped:
                 self.adam.ds_opt_adam.adam_update(self.adam.opt_id, step, group["lr"], *group["betas"], group["eps"],

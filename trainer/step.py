@@ -304,7 +304,9 @@ class Trainer:
         coef = 1.0
         if self.config.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1, in FP32
-            clip = (self.config.max_grad_norm / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6)).clamp(max=1.0)
+            # (on the host, where the gradient shards it scales live)
+            clip = (self.config.max_grad_norm / (torch.tensor(grad_norm, dtype=torch.float32, device="cpu") + 1e-6)
+                    ).clamp(max=1.0)
             if clip < 1:
                 self.optimizer.scale_grads(clip)
             coef = clip.item()

@@ -157,3 +157,30 @@ def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
     history = run(cfg)
     assert len(history) == 2 and all(h["groups_trained"] > 0 for h in history)
     assert evicted and max(evicted) > 0, "48 new tokens after the prompt must exceed a 40-token budget"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, latest", [
+    ("wake:1", 0), ("load_weights:1", 0), ("sleep:1", 0), ("restore:1", 0), ("checkpoint:1", 0),
+    ("checkpoint_written:1", 0),  # inside save_iteration: written and fsynced, not yet renamed
+    ("checkpoint_published:1", 1),  # inside save_iteration: `latest` moved, older ones not yet retired
+])
+def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault, latest):
+    """kill -9 as each remaining phase starts (train, rollout and offload: the tests above) and at
+    the two points inside the checkpoint, with the optimizer states spilled: the resume continues
+    from the last published checkpoint and ends with the uninterrupted run's weights and rewards."""
+    spill = ("memory.spill_dir=spill",)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = cli(straight, *spill)
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = cli(crashed, *spill, fault=fault)
+    assert killed.returncode == -signal.SIGKILL, f"{fault} never fired: " + killed.stderr[-2000:]
+    assert (crashed / "checkpoints" / "latest").read_text() == f"iter_{latest:06d}"
+    again = cli(crashed, *spill, "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
+    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
+    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+    assert not list((crashed / "checkpoints").glob(".tmp_*"))
