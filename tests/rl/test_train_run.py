@@ -95,6 +95,17 @@ def cli(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.Comp
                            *SMALL, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def assert_resume_reproduces(straight: Path, crashed: Path, *extra: str) -> None:
+    """`resume=true` on the crashed run ends with the uninterrupted run's weights and rewards."""
+    again = cli(crashed, *extra, "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
+    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
+    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
+        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+
+
 @pytest.mark.slow
 def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
@@ -129,13 +140,7 @@ def test_kill_with_states_spilled_then_resume_reproduces_the_uninterrupted_run(t
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = list((crashed / "spill").rglob("*.spill"))  # in the run's subdirectory, one store per rank
     assert bool(left) == (fault == "rollout:1"), left  # spilled during rollout, read back (and dropped) before train
-    again = cli(crashed, *spill, "resume=true")
-    assert again.returncode == 0, again.stderr[-2000:]
-    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
-    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
-    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
-        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+    assert_resume_reproduces(straight, crashed, *spill)
 
 
 def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
@@ -176,11 +181,5 @@ def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_r
     killed = cli(crashed, *spill, fault=fault)
     assert killed.returncode == -signal.SIGKILL, f"{fault} never fired: " + killed.stderr[-2000:]
     assert (crashed / "checkpoints" / "latest").read_text() == f"iter_{latest:06d}"
-    again = cli(crashed, *spill, "resume=true")
-    assert again.returncode == 0, again.stderr[-2000:]
-    a = load_file(straight / "checkpoints" / "iter_000002" / "model.safetensors")
-    b = load_file(crashed / "checkpoints" / "iter_000002" / "model.safetensors")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ"
-    assert [m["reward_mean"] for m in records(crashed / "metrics.jsonl")] == \
-        [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
+    assert_resume_reproduces(straight, crashed, *spill)
     assert not list((crashed / "checkpoints").glob(".tmp_*"))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from models.precision import cast_parameters
-from tests.trainer.plain import plain_packed_logprobs
 from tests.trainer.test_step import make_batch, make_model, rel_err
+from tests.trainer.test_step import reference_step as plain_step
 from trainer.optimizer import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
@@ -28,17 +28,8 @@ def loss_of(weights):
 
 
 def reference_step(model, lens, tokens, targets, weights, max_norm):
-    """Plain torch: whole-model backward, clip_grad_norm_ over every parameter, one AdamW step;
-    returns the pre-clip total norm."""
-    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
-                            weight_decay=OPT.weight_decay, foreach=False)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    packed = plain_packed_logprobs(model, lens, tokens, targets)
-    (-(packed * weights).sum() / weights.numel()).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm is not None else None
-    opt.step()
-    return norm
+    """tests/trainer/test_step.py's plain step with this file's optimizer and clip; the pre-clip norm."""
+    return plain_step(model, lens, tokens, targets, weights, OPT, max_norm)
 
 
 def poison(param: torch.nn.Parameter, value: float = float("inf")):

@@ -28,15 +28,19 @@ def make_batch(seed: int = 0, lens=(33, 9, 50, 17)):
             torch.randn(n, generator=gen))
 
 
-def reference_step(model: HybridLM, lens, tokens, targets, weights) -> None:
-    """Plain torch: the whole model in one piece, one AdamW step (zero, not None, gradients)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
-                            weight_decay=OPT.weight_decay, foreach=False)
+def reference_step(model: HybridLM, lens, tokens, targets, weights, opt_config: OptimizerConfig = OPT,
+                   max_norm: float | None = None) -> torch.Tensor | None:
+    """Plain torch: the whole model in one piece, `clip_grad_norm_(max_norm)` over every parameter
+    when given, one AdamW step (zero, not None, gradients). Returns the pre-clip norm (None unclipped)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_config.lr, betas=opt_config.betas, eps=opt_config.eps,
+                            weight_decay=opt_config.weight_decay, foreach=False)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     packed = plain_packed_logprobs(model, lens, tokens, targets)
     (-(packed * weights).sum() / weights.numel()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm is not None else None
     opt.step()
+    return norm
 
 
 def rel_err(a, b) -> float:
