@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from benchmarks.train_step import SavedTensorMeter
-from memory.layout import CacheLayout
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -112,12 +111,11 @@ def pages_for(model: HybridLM, tokens: int) -> int:
 
 def engine_for(model: HybridLM, max_model_len: int, pages: int | None = None, pool_tokens: int | None = None,
                prefix: PrefixCacheConfig | None = None, host_pages: int = 0) -> Engine:
-    layout = CacheLayout.for_model(model.config)
     if pages is None:  # room for one sequence of pool_tokens, and a little more
         pages = pages_for(model, pool_tokens) + 4
     return Engine(model, EngineConfig(max_model_len=max_model_len, num_pages=pages, max_num_batched_tokens=2048,
                                       show_progress=False, prefix_cache=prefix,
-                                      host_pool_bytes=host_pages * layout.page_bytes))
+                                      host_num_pages=host_pages))
 
 
 def rollout(model: HybridLM, context: int, new_tokens: int) -> dict[str, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import random
 
-from memory.layout import CacheLayout
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -45,9 +44,8 @@ def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_t
     """The trace through one engine; returns (engine, [(prompt, oracle prefix)], hit tokens, tokens computed)."""
     cache = (PrefixCacheConfig(hash_block=hash_block, model_id="tiny", eviction=eviction, host_mode=host_mode)
              if hash_block else None)
-    page_bytes = CacheLayout.for_model(model.config).page_bytes
     cfg = EngineConfig(num_pages=pages, max_model_len=1024, max_num_batched_tokens=512, show_progress=False,
-                       prefix_cache=cache, host_pool_bytes=host_pages * page_bytes)
+                       prefix_cache=cache, host_num_pages=host_pages)
     engine = Engine(model, cfg)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     history = [list(system) for _ in users]

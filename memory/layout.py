@@ -218,6 +218,16 @@ class CacheLayout:
         """MLA pages (per MLA group) that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_tokens)
 
+    def sequence_pages(self, num_tokens: int) -> int:
+        """Pages one private sequence of `num_tokens` tokens holds with full KV: one state page per
+        KDA cache group and ceil(num_tokens / block_tokens) pages per MLA cache group (the one
+        formula: the engine's cache manager, the run config's pool check and the planner use it)."""
+        return len(self.kda_groups) + len(self.mla_groups) * self.mla_pages_for(num_tokens)
+
+    def pool_mb_for(self, num_pages: int) -> int:
+        """The smallest pool, in MiB, that holds `num_pages` pages (`PagePool.from_bytes`'s rounding)."""
+        return -(-num_pages * self.page_bytes // (1 << 20))
+
     def describe(self) -> str:
         """One-line summary for logs."""
         return (f"page_bytes={self.page_bytes:,} block_tokens={self.block_tokens:,} group_layers={self.group_layers} "

@@ -20,7 +20,6 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from rl.tracking import TrackingConfig
-from rollout.engine import pool_mb_for, sequence_pages
 from rollout.kv_eviction import KVBudgetConfig, lookup_policy
 from rollout.sampling import SamplingParams
 from trainer.chunks import CHUNK_SPLITS
@@ -349,7 +348,7 @@ class RunConfig:
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
         layout, r = self.cache_layout, self.rollout
         pool_pages = (self.memory.pool_mb << 20) // layout.page_bytes  # PagePool.from_bytes
-        needed = sequence_pages(layout, r.longest_kv_tokens)  # the engine's "cannot hold one sequence" check
+        needed = layout.sequence_pages(r.longest_kv_tokens)  # the engine's "cannot hold one sequence" check
         if needed > pool_pages:
             raise ValueError(
                 f"memory.pool_mb={self.memory.pool_mb} holds {pool_pages} pages of {layout.page_bytes:,} bytes, but "
@@ -357,7 +356,7 @@ class RunConfig:
                 + (f" (rollout.kv_budget_tokens={r.kv_budget_tokens} on the device)" if r.kv_budget_tokens else "")
                 + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
                 f"{layout.mla_pages_for(r.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
-                f"memory.pool_mb >= {pool_mb_for(layout, needed)} or lower rollout.max_model_len")
+                f"memory.pool_mb >= {layout.pool_mb_for(needed)} or lower rollout.max_model_len")
 
     @property
     def cache_layout(self) -> CacheLayout:

@@ -24,7 +24,6 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from memory.layout import CacheLayout
 from rl.config import RunConfig, register_configs, to_run_config
 from rl.plan_config import GIB, ClusterConfig, PlanOptions
 from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, meta_policy, plan_phases, plan_sizes
@@ -108,7 +107,7 @@ def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pla
     longest = cfg.rollout.max_model_len
     if cfg.rollout.kv_budget_tokens is not None:  # a KV budget caps what one sequence holds
         longest = min(longest, cfg.rollout.kv_budget_tokens)
-    verdicts.append(Verdict("pool", _pages_for(sizes.layout, longest) * sizes.layout.page_bytes, sizes.pool, "rollout"))
+    verdicts.append(Verdict("pool", sizes.layout.sequence_pages(longest) * sizes.layout.page_bytes, sizes.pool, "rollout"))
     # The pool gets whatever device memory the phases that hold it leave free (all of them when it
     # is not released for training).
     holding = [p for p in phases if not cfg.memory.release_pool_in_train
@@ -183,22 +182,17 @@ def render(plan: Plan, console: Console) -> None:
     layout = sizes.layout
     console.print(f"KV pool: {sizes.pool_pages:,} pages of {fmt_bytes(layout.page_bytes)} ({layout.block_tokens} "
                   f"tokens per MLA page); one sequence of rollout.max_model_len={cfg.rollout.max_model_len:,} "
-                  f"takes {_pages_for(layout, cfg.rollout.max_model_len)} pages; longest context in this pool: "
+                  f"takes {layout.sequence_pages(cfg.rollout.max_model_len)} pages; longest context in this pool: "
                   f"{_tokens(plan.longest_context(sizes.pool_pages))} (rollout KV only: train at that length is another plan.seq_len)")
     max_pages = (plan.max_pool_mb << 20) // layout.page_bytes
     console.print(f"largest memory.pool_mb that fits: {plan.max_pool_mb:,} ({max_pages:,} pages; longest context "
                   f"{_tokens(plan.longest_context(max_pages))}, "
-                  f"{max_pages // max(1, _pages_for(layout, cfg.rollout.max_model_len)):,} sequences of max_model_len "
+                  f"{max_pages // max(1, layout.sequence_pages(cfg.rollout.max_model_len)):,} sequences of max_model_len "
                   f"at once)")
     if cfg.memory.spill_dir is not None:
         seconds = cluster.gpus_per_node * sizes.spill_payload / (cluster.nvme_gb_s * 1e9)
         console.print(f"NVMe: {fmt_bytes(sizes.spill_payload)} spilled per rank per iteration, ~{seconds:.1f} s each "
                       f"way for the node's {cluster.gpus_per_node} ranks at {cluster.nvme_gb_s} GB/s")
-
-
-def _pages_for(layout: CacheLayout, tokens: int) -> int:
-    """Pages one private sequence of `tokens` tokens holds (rollout/cache_manager.py `pages_for_tokens`)."""
-    return len(layout.kda_groups) + len(layout.mla_groups) * layout.mla_pages_for(tokens)
 
 
 def _tokens(n: int) -> str:

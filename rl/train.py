@@ -168,9 +168,9 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
     engine = Engine(engine_model, EngineConfig(
         kda_state_dtype=cfg.rollout.kda_state_dtype,
-        max_model_len=cfg.rollout.max_model_len, pool_bytes=cfg.memory.pool_mb << 20,
+        max_model_len=cfg.rollout.max_model_len, pool_mb=cfg.memory.pool_mb,
         max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
-        seed=cfg.seed, show_progress=False, host_pool_bytes=cfg.memory.host_pool_mb << 20,
+        seed=cfg.seed, show_progress=False, host_pool_mb=cfg.memory.host_pool_mb,
         prefix_cache=(PrefixCacheConfig(hash_block=cfg.rollout.prefix_hash_block, model_id="policy")
                       if cfg.rollout.prefix_hash_block else None),
         kv_budget=cfg.rollout.kv_budget()), ledger=ledger)

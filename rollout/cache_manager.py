@@ -59,7 +59,7 @@ class CacheManager:
         """Pages one private sequence of `num_tokens` tokens holds (at most its KV budget's worth)."""
         if self.evictor is not None:
             num_tokens = min(num_tokens, self.evictor.config.budget_tokens)
-        return self.num_kda_groups + self.num_mla_groups * self.layout.mla_pages_for(num_tokens)
+        return self.layout.sequence_pages(num_tokens)
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate what `seq` lacks to hold `num_tokens` tokens. All-or-nothing: False (and

@@ -16,12 +16,11 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 from rich.progress import Progress
 
-from kernels.impl import check_impl, default_impl
+from kernels.impl import default_impl
 from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
 from memory.layout import CacheLayout
@@ -30,61 +29,13 @@ from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
 from models.precision import parse_dtype
 from rollout.cache_manager import CacheManager
-from rollout.kv_eviction import KVBudgetConfig, KVEvictor
+from rollout.engine_config import EngineConfig
+from rollout.kv_eviction import KVEvictor
 from rollout.model_runner import ModelRunner, sampling_indices
-from rollout.prefix_cache import PrefixCache, PrefixCacheConfig
+from rollout.prefix_cache import PrefixCache
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, SamplingRows, sample_rows
 from rollout.scheduler import Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    max_model_len: int = 4096
-    """Longest sequence (prompt + generated) the engine accepts."""
-    num_pages: int | None = None
-    """Pages in the device pool; None = derived from pool_bytes."""
-    pool_bytes: int = 64 << 20
-    """Device pool size when num_pages is None."""
-    group_layers: int | None = None
-    """Layers per cache group (default: the number of MLA layers)."""
-    block_tokens: int | None = None
-    """Tokens per MLA page (default: derived so an MLA page is the size of a KDA state page)."""
-    max_num_batched_tokens: int = 512
-    """Per-step token budget (decode tokens + prefill chunks)."""
-    max_num_seqs: int = 128
-    """Sequences running at once."""
-    kernel_impl: str | None = None
-    """"naive" (torch) or "triton"; None = triton on CUDA, naive on CPU."""
-    seed: int = 0
-    """Seeds requests that give no seed of their own."""
-    check_every_step: bool = False
-    """Run the pool/cache integrity checks after every step (tests, debugging)."""
-    show_progress: bool = True
-    """Progress bar in generate()."""
-    prefix_cache: PrefixCacheConfig | None = None
-    """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
-    host_pool_bytes: int = 0
-    """Host KV pool (memory/host_pool.py): the prefix cache's second tier and where paused
-    sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given."""
-    kv_budget: KVBudgetConfig | None = None
-    """Token eviction for the MLA layers (rollout/kv_eviction.py: H2O or InfiniGen): at most
-    `budget_tokens` MLA slots per sequence on the device; None = full KV (the default)."""
-    kda_state_dtype: str = "fp32"
-    """Element type of the KDA state pages ("fp32" | "bf16"), independent of the MLA cache, which
-    takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
-
-    def __post_init__(self) -> None:
-        try:
-            parse_dtype(self.kda_state_dtype)
-        except ValueError as err:
-            raise ValueError(f"kda_state_{err}") from None
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len}, expected >= 2")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
-        if self.kernel_impl is not None:
-            check_impl(self.kernel_impl)
 
 
 class ContextTooLong(ValueError):
@@ -101,18 +52,6 @@ class ContextTooLong(ValueError):
         self.pages_needed = pages_needed
         """Pages one sequence of the prompt + 1 generated token needs."""
         self.pool_pages = pool_pages
-
-
-def sequence_pages(layout: CacheLayout, num_tokens: int) -> int:
-    """Pages one private sequence of `num_tokens` tokens holds with full KV: one state page per KDA
-    cache group and ceil(num_tokens / block_tokens) pages per MLA cache group (the engine's
-    `CacheManager.pages_for_tokens` without a KV budget; the run config checks its pool with it)."""
-    return len(layout.kda_groups) + len(layout.mla_groups) * layout.mla_pages_for(num_tokens)
-
-
-def pool_mb_for(layout: CacheLayout, num_pages: int) -> int:
-    """The smallest pool, in MiB, that holds `num_pages` pages (`PagePool.from_bytes`'s rounding)."""
-    return -(-num_pages * layout.page_bytes // (1 << 20))
 
 
 def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -136,10 +75,12 @@ class Engine:
                                             block_tokens=config.block_tokens)
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
-                     else PagePool.from_bytes(self.layout, config.pool_bytes, device))
-        self.host = (HostPagePool.from_bytes(self.layout.page_bytes, config.host_pool_bytes, ledger=ledger,
+                     else PagePool.from_bytes(self.layout, config.pool_mb << 20, device))
+        host_bytes = (config.host_num_pages * self.layout.page_bytes if config.host_num_pages is not None
+                      else config.host_pool_mb << 20)
+        self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger,
                                              pin_memory=device.type == "cuda")
-                     if config.host_pool_bytes else None)
+                     if host_bytes else None)
         self._parked: dict[int, tuple[list[int], list[list[int]]]] = {}  # paused seq -> host pages, over a sleep
         prefix = PrefixCache(self.pool, config.prefix_cache, self.host) if config.prefix_cache is not None else None
         self.evictor = (KVEvictor(config.kv_budget, self.pool, model, ledger=ledger)
@@ -154,7 +95,7 @@ class Engine:
         if max_pages > self.pool.num_pages:
             raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
                              f"({max_pages} pages; max_model_len={config.max_model_len}): lower max_model_len (or "
-                             f"the KV budget) or grow the pool to >= {pool_mb_for(self.layout, max_pages)} MiB "
+                             f"the KV budget) or grow the pool to >= {self.layout.pool_mb_for(max_pages)} MiB "
                              f"(memory.pool_mb)")
         self.policy_version = 0
         self.requests: dict[str, Request] = {}
@@ -217,7 +158,7 @@ class Engine:
         if prompt_len < cfg.max_model_len:
             return
         needed = self.cache.pages_for_tokens(prompt_len + 1)
-        grow = (f" and the pool to >= {pool_mb_for(self.layout, needed)} MiB (memory.pool_mb)"
+        grow = (f" and the pool to >= {self.layout.pool_mb_for(needed)} MiB (memory.pool_mb)"
                 if needed > self.pool.num_pages else "")
         raise ContextTooLong(
             f"prompt of {prompt_len} tokens does not fit max_model_len={cfg.max_model_len} (need room for at least "

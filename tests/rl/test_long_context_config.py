@@ -9,14 +9,13 @@ import pytest
 from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import ByteTokenizer
-from rl.plan import _pages_for
 from rl.plan_model import cache_layout
 from rl.rollout import RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
 from rl.train import run
 from rollout import ContextTooLong
 from rollout.dispatcher import ThrottleConfig
-from rollout.engine import Engine, EngineConfig, sequence_pages
+from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL
 
@@ -79,14 +78,14 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
 
     # The engine rl/train.py builds from that config accepts it and admits up to max_model_len - 1 tokens.
     model = HybridLM(big.model)
-    engine = Engine(model, EngineConfig(max_model_len=big.rollout.max_model_len, pool_bytes=big.memory.pool_mb << 20,
+    engine = Engine(model, EngineConfig(max_model_len=big.rollout.max_model_len, pool_mb=big.memory.pool_mb,
                                         show_progress=False))
     assert engine.layout == big.cache_layout and engine.pool.num_pages >= needed
     engine.check_context(131071)
     with pytest.raises(ContextTooLong, match="prompt of 131072 tokens does not fit max_model_len=131072"):
         engine.check_context(131072)
     with pytest.raises(ValueError, match="cannot hold one sequence of 131072 tokens"):
-        Engine(model, EngineConfig(max_model_len=131072, pool_bytes=(mb - 1) << 20, show_progress=False))
+        Engine(model, EngineConfig(max_model_len=131072, pool_mb=mb - 1, show_progress=False))
 
 
 @pytest.mark.parametrize("overrides, build_engine", [
@@ -98,13 +97,14 @@ def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_
     layout = cfg.cache_layout
     assert layout == cache_layout(cfg)
     lengths = [1, 63, 64, 65, 127, 4096, 131072]
-    assert [sequence_pages(layout, n) for n in lengths] == [_pages_for(layout, n) for n in lengths]
+    by_hand = [len(layout.kda_groups) + len(layout.mla_groups) * -(-n // layout.block_tokens) for n in lengths]
+    assert [layout.sequence_pages(n) for n in lengths] == by_hand
     if build_engine:
         model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
         engine = Engine(model, EngineConfig(kda_state_dtype=cfg.rollout.kda_state_dtype, show_progress=False,
-                                            pool_bytes=cfg.memory.pool_mb << 20))
+                                            pool_mb=cfg.memory.pool_mb))
         assert engine.layout == layout
-        assert [engine.cache.pages_for_tokens(n) for n in lengths] == [sequence_pages(layout, n) for n in lengths]
+        assert [engine.cache.pages_for_tokens(n) for n in lengths] == by_hand
 
 
 @pytest.mark.parametrize("override, words", [

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from rollout import ContextTooLong
-from rollout.engine import Engine, EngineConfig, pool_mb_for
+from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.conftest import greedy_reference
 
@@ -70,7 +70,7 @@ def test_a_prompt_the_pool_could_not_hold_names_the_pool_that_would(tiny_model):
     layout, prompt_len = engine.layout, 5000
     needed = len(layout.kda_groups) + len(layout.mla_groups) * math.ceil((prompt_len + 1) / layout.block_tokens)
     mb = math.ceil(needed * layout.page_bytes / (1 << 20))
-    assert needed > 16 and pool_mb_for(layout, needed) == mb
+    assert needed > 16 and layout.pool_mb_for(needed) == mb
     with pytest.raises(ContextTooLong) as err:
         engine.check_context(prompt_len)
     message = str(err.value)
@@ -78,9 +78,9 @@ def test_a_prompt_the_pool_could_not_hold_names_the_pool_that_would(tiny_model):
                   f">= {prompt_len + 1}", f"pool to >= {mb} MiB (memory.pool_mb)"):
         assert words in message, message
     # the figure is the smallest pool, in whole MiB, an engine of that max_model_len is built with
-    Engine(tiny_model, EngineConfig(pool_bytes=mb << 20, max_model_len=prompt_len + 1, show_progress=False))
+    Engine(tiny_model, EngineConfig(pool_mb=mb, max_model_len=prompt_len + 1, show_progress=False))
     with pytest.raises(ValueError, match=f"cannot hold one sequence of {prompt_len + 1} tokens"):
-        Engine(tiny_model, EngineConfig(pool_bytes=(mb - 1) << 20, max_model_len=prompt_len + 1, show_progress=False))
+        Engine(tiny_model, EngineConfig(pool_mb=mb - 1, max_model_len=prompt_len + 1, show_progress=False))
 
 
 @pytest.mark.parametrize("max_model_len", [17, 24])

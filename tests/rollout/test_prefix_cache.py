@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from memory.layout import CacheLayout
 from memory.page_pool import PagePool
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
@@ -31,7 +30,7 @@ def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, host_
     apart); each turn's prompt is the whole conversation so far."""
     cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
                        check_every_step=True,
-                       host_pool_bytes=host_pages * CacheLayout.for_model(model.config).page_bytes,
+                       host_num_pages=host_pages,
                        prefix_cache=(PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options)
                                      if prefix else None))
     engine = Engine(model, cfg)
