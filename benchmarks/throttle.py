@@ -19,7 +19,7 @@ import torch
 
 from models.config import load_model_config
 from models.model import HybridLM
-from rollout.dispatcher import Dispatcher, ThrottleConfig
+from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 
@@ -38,16 +38,16 @@ def run_setting(model: HybridLM, args: argparse.Namespace, max_concurrency: int 
 
         def follow_up(out):
             if turn["n"] >= args.turns:
-                return None
+                return []
             history = out.prompt + out.samples[0].tokens
             nxt = history + user_turns[conversation][turn["n"]]
             turn["n"] += 1
-            return nxt, params
+            return [Submission(nxt, params, follow_up)]
 
         return follow_up
 
     for c in range(args.conversations):
-        dispatcher.add(list(user_turns[c][0]), params, follow_up_for(c))
+        dispatcher.add(Submission(list(user_turns[c][0]), params, follow_up_for(c)))
     t0 = time.perf_counter()
     outputs = dispatcher.run()
     elapsed = time.perf_counter() - t0

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rl.tasks.base import Environment, make_task
-from rollout.dispatcher import Dispatcher, ThrottleConfig
+from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import ContextTooLong, Engine
 from rollout.request import RequestOutput, SampleOutput
 from rollout.sampling import SamplingParams
@@ -118,6 +118,34 @@ class Trajectory:
         return len(self.tokens) - self.turn_start
 
 
+@dataclass
+class TurnEnd:
+    """The follow-up of a request continuing `trajs` (the dispatcher's `FollowUp`): appends each
+    sample to its trajectory, scores the finished turn, and returns the requests of those that go
+    on. `trajs` is also who the request continues when an iteration stops before it finishes."""
+
+    driver: "RolloutDriver"
+    trajs: list[Trajectory]
+    stats: dict
+    """The iteration's counters (tokens, finished, dropped/<reason>), updated in place."""
+
+    def __call__(self, out: RequestOutput) -> list[Submission]:
+        nxt: list[Submission] = []
+        for t, sample in zip(self.trajs, out.samples):
+            t.request_id = None
+            self.driver._append(t, sample, self.stats)
+            if self.driver._end_turn(t, self.stats):
+                nxt += self.driver._admissible([t], self.stats)
+        return nxt
+
+
+def _continued(sub: Submission) -> list[Trajectory]:
+    """The trajectories a driver's submission continues (every one it makes has a `TurnEnd`)."""
+    if not isinstance(sub.follow_up, TurnEnd):
+        raise TypeError(f"submission with follow-up {sub.follow_up!r}: the RL driver only sends TurnEnd ones")
+    return sub.follow_up.trajs
+
+
 class RolloutDriver:
     """Runs iterations of trajectory generation against one engine; its state (carried-over and
     finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
@@ -196,32 +224,21 @@ class RolloutDriver:
             self.envs[traj.traj_id] = env
         return env
 
-    def _request(self, trajs: list[Trajectory], stats: dict):
-        """(prompt, params, follow-up, turn boundaries) continuing `trajs` (one group's first turn, or
-        one trajectory); the boundaries let the engine's prefix cache keep a checkpoint at each turn."""
+    def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
+        """The request continuing `trajs` (one group's first turn, or one trajectory), its follow-up a
+        `TurnEnd` on them; the turn boundaries let the engine's prefix cache keep a checkpoint at each turn."""
         traj = trajs[0]
         remaining = max(1, self.max_new_tokens - traj.num_generated_in_turn)
         seed = mix_seed(self.seed, traj.group_id, traj.member, len(traj.answers), traj.num_generated_in_turn)
         params = SamplingParams(n=len(trajs), max_new_tokens=remaining, seed=seed, **self.sampling)
+        return Submission(list(traj.tokens), params, TurnEnd(self, trajs, stats), tuple(traj.turn_boundaries))
 
-        def follow_up(out: RequestOutput):
-            nxt = []
-            for t, sample in zip(trajs, out.samples):
-                t.request_id = None
-                self._append(t, sample, stats)
-                if self._end_turn(t, stats):
-                    nxt += self._admissible([t], stats)
-            return nxt
-
-        follow_up.trajs = trajs  # who the request continues (read when an iteration stops early)
-        return list(traj.tokens), params, follow_up, tuple(traj.turn_boundaries)
-
-    def _admissible(self, trajs: list[Trajectory], stats: dict) -> list[tuple]:
+    def _admissible(self, trajs: list[Trajectory], stats: dict) -> list[Submission]:
         """[the request continuing `trajs`], or [] when the engine refuses its context
         (`Engine.check_context`): then `trajs` are dropped, with one logged line and counted."""
         request = self._request(trajs, stats)
         try:
-            self.engine.check_context(len(request[0]))
+            self.engine.check_context(len(request.prompt))
         except ContextTooLong as err:  # the message names the tokens, the limit, the pages
             self._drop(trajs, Dropped("too_long", err), stats)
             return []
@@ -307,10 +324,10 @@ class RolloutDriver:
             else:
                 traj.request_id = None
                 for request in self._admissible([traj], stats):
-                    dispatcher.add(*request)
+                    dispatcher.add(request)
         for request_id, trajs in paused.items():
             self.engine.resume(request_id)
-            dispatcher.adopt(request_id, *self._request(trajs, stats))
+            dispatcher.adopt(request_id, self._request(trajs, stats))
         for _ in range(self.groups_per_iteration):
             group, self.next_group = self.next_group, self.next_group + 1
             if group % self.world != self.rank:
@@ -328,7 +345,7 @@ class RolloutDriver:
                 t.tokens, t.policy = list(prompt), [False] * len(prompt)
                 t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
             for request in self._admissible(trajs, stats):
-                dispatcher.add(*request)
+                dispatcher.add(request)
         t0, generated_before = time.perf_counter(), self.engine.num_generated
 
         def should_stop() -> bool:
@@ -357,8 +374,8 @@ class RolloutDriver:
         """Budget reached: everything not finished becomes carry-over (paused with its KV, or with
         its partial answer appended for recompute)."""
         in_flight, backlog = dispatcher.clear()
-        for request_id, follow_up in in_flight:
-            out, trajs = self.engine.output(request_id), follow_up.trajs
+        for request_id, sub in in_flight:
+            out, trajs = self.engine.output(request_id), _continued(sub)
             if self.partial_resume == "kv":
                 self.engine.pause(request_id)
                 for t in trajs:
@@ -369,7 +386,7 @@ class RolloutDriver:
                     self._append(t, sample, stats)
             self.carry += trajs
         for sub in backlog:
-            self.carry += sub.follow_up.trajs
+            self.carry += _continued(sub)
 
     def take_finished_groups(self) -> list[list[Trajectory]]:
         """Groups all of whose (not dropped) members are done, in group order; removed from the driver."""

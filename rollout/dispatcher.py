@@ -1,7 +1,7 @@
 """Request dispatch with auto-throttling (SPEC §5.4): how many requests to keep in the engine.
 
-The RL driver hands the dispatcher a backlog of requests (and, for multi-turn trajectories, a
-callback that turns a finished turn into the next turn's request). The dispatcher keeps at most
+The RL driver hands the dispatcher a backlog of `Submission`s (each with, for multi-turn
+trajectories, a `FollowUp` that turns a finished turn into the next turn's submissions). The dispatcher keeps at most
 `limit` requests in flight. With `max_concurrency=None` (auto) the limit follows the engine's
 runtime signals, AIMD-style:
 - a preemption since the last step (the pool could not hold the running sequences' growth):
@@ -19,27 +19,32 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Protocol
 
 from rollout.engine import Engine
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
-FollowUp = Callable[[RequestOutput], "tuple | list[tuple] | None"]
-"""Called with a finished request's output; returns the next request(s) of the same trajectories
-(one item or a list of items, or None), which go to the front of the backlog. An item is
-(prompt, params) — it keeps this follow-up — or (prompt, params, own follow-up) or
-(prompt, params, own follow-up, turn boundaries)."""
-
-
-class Submission(NamedTuple):
-    """One request for the engine, as the backlog holds it."""
+@dataclass(frozen=True)
+class Submission:
+    """One request for the engine, as the backlog and the in-flight table hold it."""
 
     prompt: list[int]
     params: SamplingParams
-    follow_up: FollowUp | None = None
+    follow_up: "FollowUp | None" = None
+    """Called with the request's output when it finishes (None: nothing follows)."""
     turn_boundaries: tuple[int, ...] = ()
     """Where the conversation's turns end in `prompt` (the prefix cache keeps its checkpoints there)."""
+
+
+class FollowUp(Protocol):
+    """What continues a request once it finishes: called with its output, returns the next requests
+    of the same conversation(s), each a `Submission` naming its own follow-up ([] = they ended).
+    They go to the front of the backlog, in order: their prefixes are hot in the cache. A caller
+    that needs to know whom a request continues (an iteration stopped early) keeps that on its
+    follow-up object, which `Dispatcher.clear` hands back with the submission."""
+
+    def __call__(self, out: RequestOutput) -> list[Submission]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +103,7 @@ class Dispatcher:
         self.engine, self.config = engine, config or ThrottleConfig()
         self.auto = AutoLimit(self.config) if self.config.max_concurrency is None else None
         self.backlog: deque[Submission] = deque()
-        self.in_flight: dict[str, FollowUp | None] = {}
+        self.in_flight: dict[str, Submission] = {}
         self._projected: dict[str, int] = {}  # request -> pages it holds at full length
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
@@ -115,19 +120,17 @@ class Dispatcher:
     def limit(self) -> int:
         return self.auto.limit if self.auto is not None else self.config.max_concurrency
 
-    def add(self, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None = None,
-            turn_boundaries: tuple[int, ...] = ()) -> None:
-        """Queue a request; `follow_up(output)` may return the next turn's request(s)."""
-        self.backlog.append(Submission(prompt, params, follow_up, tuple(turn_boundaries)))
+    def add(self, submission: Submission) -> None:
+        """Queue a request; its follow-up, if any, may return the next turn's submissions."""
+        self.backlog.append(submission)
 
-    def adopt(self, request_id: str, prompt: list[int], params: SamplingParams, follow_up: FollowUp | None,
-              turn_boundaries: tuple[int, ...] = ()) -> None:
+    def adopt(self, request_id: str, submission: Submission) -> None:
         """Count a request that is already in the engine (a resumed partial rollout) as in flight."""
-        self.in_flight[request_id] = follow_up
-        self._projected[request_id] = self._full_length_pages(prompt, params)
+        self.in_flight[request_id] = submission
+        self._projected[request_id] = self._full_length_pages(submission.prompt, submission.params)
 
-    def clear(self) -> tuple[list[tuple[str, FollowUp | None]], list[Submission]]:
-        """Forget all work (a stopped iteration): returns ((request id, follow-up) in flight, unsent backlog)."""
+    def clear(self) -> tuple[list[tuple[str, Submission]], list[Submission]]:
+        """Forget all work (a stopped iteration): returns ((request id, submission) in flight, unsent backlog)."""
         in_flight, backlog = list(self.in_flight.items()), list(self.backlog)
         self.in_flight.clear()
         self._projected.clear()
@@ -147,23 +150,21 @@ class Dispatcher:
                 break
             kv_bound = False
             while self.backlog and len(self.in_flight) < self.limit:
-                if not self._room_for(self.backlog[0][0], self.backlog[0][1]):
+                if not self._room_for(self.backlog[0].prompt, self.backlog[0].params):
                     kv_bound = True
                     break
                 sub = self.backlog.popleft()
                 request_id = self.engine.add_request(sub.prompt, sub.params, turn_boundaries=sub.turn_boundaries)
-                self.in_flight[request_id] = sub.follow_up
+                self.in_flight[request_id] = sub
                 self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
             for out in self.engine.step():
-                follow_up = self.in_flight.pop(out.request_id)
+                follow_up = self.in_flight.pop(out.request_id).follow_up
                 self._projected.pop(out.request_id)
                 outputs.append(out)
                 if on_output is not None:
                     on_output(out)
-                nxt = follow_up(out) if follow_up is not None else None
-                nxt = [] if nxt is None else [nxt] if isinstance(nxt, tuple) else nxt
-                for item in reversed(nxt):  # the next turns go first: their prefixes are hot
-                    self.backlog.appendleft(Submission(*item) if len(item) > 2 else Submission(*item, follow_up))
+                nxt = follow_up(out) if follow_up is not None else []
+                self.backlog.extendleft(reversed(nxt))  # the next turns go first: their prefixes are hot
             if self.auto is not None:
                 self.auto.update(self.engine.stats(), hold=kv_bound or not self.backlog)
         return outputs

@@ -1,7 +1,7 @@
 """The dispatcher: auto limit reacts to engine signals; multi-turn follow-ups; outputs unchanged."""
 import pytest
 
-from rollout.dispatcher import AutoLimit, Dispatcher, ThrottleConfig
+from rollout.dispatcher import AutoLimit, Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.conftest import greedy_reference
@@ -33,11 +33,11 @@ def test_multi_turn_follow_ups_complete_with_the_plain_models_tokens(tiny_model,
     def follow_up(out):
         peak.append(len(dispatcher.in_flight))
         if len(out.prompt) > 40:
-            return None
-        return out.prompt + out.samples[0].tokens + [7, 8, 9], params
+            return []
+        return [Submission(out.prompt + out.samples[0].tokens + [7, 8, 9], params, follow_up)]
 
     for c in range(4):
-        dispatcher.add([10 + c] * (3 + c), params, follow_up)
+        dispatcher.add(Submission([10 + c] * (3 + c), params, follow_up))
     outputs = dispatcher.run()
     # each conversation (prompt 3..6 tokens, +8 per turn) ran until its prompt passed 40 tokens: 6 turns
     assert len(outputs) == 4 * 6
