@@ -2,8 +2,11 @@
 
 Per iteration:
     wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT -> engine sleep
-    -> [restore training state, if spilled] -> TRAIN (reference logprobs, policy update) -> offload
-    training state (NVMe spill with memory.spill_dir) -> checkpoint -> log.
+    -> [restore training state, if spilled] -> TRAIN (reference logprobs, policy update) -> log
+    -> checkpoint -> offload training state (NVMe spill with memory.spill_dir).
+The checkpoint comes before the offload: it reads the optimizer states while they are still in
+host memory, so a spilled run writes each state once (offload) and reads it once (restore) per
+iteration; phases.jsonl's bytes_moved shows both.
 Every transition goes through `Phases.run`, which records seconds, bytes moved and the memory
 held by each tier (engine pool on device, host pool, training state on device / host / disk) in
 the tracker's memory timeline. With `memory.spill_dir`, `_offload_train_state` spills the
@@ -247,8 +250,6 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             phases.run(it, "restore", p.trainer.restore_states, bytes_moved=p.trainer.optimizer.spilled_bytes)
         train = (phases.run(it, "train", lambda: _train(p, groups, num_tokens, num_seqs)) if num_groups
                  else {"train_skipped": 1.0})
-        phases.run(it, "offload", lambda: _offload_train_state(p),
-                   bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
         metrics, errors = _iteration_metrics(p, groups, rollout, train, phases.seconds)
         metrics["engine_checksum"] = checksum
         # Logged before the checkpoint publishes `latest`: a crash in between costs a re-run of this
@@ -257,6 +258,8 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         p.tracker.log(it, metrics)
         phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1,
                                                             fault=phases.fault))
+        phases.run(it, "offload", lambda: _offload_train_state(p),
+                   bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
         if train.get("skipped"):
             p.tracker.console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
                                     f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")
@@ -342,8 +345,8 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
 def _offload_train_state(p: LoopParts) -> None:
     """Training state leaves its tier here: with a store, the optimizer's host states (FP32 masters +
     AdamW moments) are spilled to NVMe and their host bytes returned to the ledger; the next
-    iteration's "restore" phase reads them back before training. The checkpoint that follows reads
-    them from the store (Trainer.save). Without a store nothing moves (one CPU process: the
+    iteration's "restore" phase reads them back before training. The iteration's checkpoint was
+    written before, from host memory. Without a store nothing moves (one CPU process: the
     optimizer already lives on the host)."""
     if p.store is not None:
         p.trainer.offload_states(p.store)

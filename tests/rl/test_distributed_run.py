@@ -120,7 +120,7 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(runs):
 def test_rank_zero_alone_writes_and_every_rank_checkpoints_its_share(runs):
     run_dir = runs["two"]
     phases = [(r["iteration"], r["phase"]) for r in map(json.loads, (run_dir / "phases.jsonl").read_text().splitlines())]
-    one_rank = ["load_weights", "rollout", "sleep", "gather", "train", "offload", "checkpoint"]
+    one_rank = ["load_weights", "rollout", "sleep", "gather", "train", "checkpoint", "offload"]
     assert phases == [(0, p) for p in one_rank] + [(1, "wake")] + [(1, p) for p in one_rank]  # one writer
     ckpt = run_dir / "checkpoints" / "iter_000001"
     assert json.loads((ckpt / "iteration.json").read_text()) == {"iteration": 1, "world_size": 2}
