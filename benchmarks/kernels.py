@@ -16,6 +16,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,21 +54,54 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     native = device.type == "cuda"
-    H, K = (4, 32) if args.small else (32, 128)
-    B, ctx, T = (8, 300, 256) if args.small else (64, 4096, 4096)
-    Dc, Dr, Hm = (64, 16, 4) if args.small else (512, 64, 32)
-    bt = 64 if args.small else args.block_tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
-    figures: dict[str, float] = {}
-    errors = []
     # Under TRITON_INTERPRET=1 (CPU) the Triton side runs too: slow, but it checks this script.
     impls = ("naive", "triton") if native or os.environ.get("TRITON_INTERPRET") == "1" else ("naive",)
-    with_triton = "triton" in impls
+    run = _Run(args, device, impls, gen, randn)
+    _kda_decode(run)
+    _mla_decode_and_weights(run)
+    _kda_chunk(run)
+    if "triton" not in impls:
+        print("no CUDA device: torch paths timed only (Triton checked under the interpreter by pytest -m triton)")
+    figures = run.figures
+    if run.errors:
+        figures["max_rel_err"] = max(run.errors)
+    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()) or "native=0")
+    return figures
 
+
+@dataclass
+class _Run:
+    """One benchmark run's settings and what it collects."""
+
+    args: argparse.Namespace
+    device: torch.device
+    impls: tuple[str, ...]
+    gen: torch.Generator
+    randn: Callable[..., torch.Tensor]
+    figures: dict[str, float] = field(default_factory=dict)
+    errors: list[float] = field(default_factory=list)
+
+    @property
+    def with_triton(self) -> bool:
+        return "triton" in self.impls
+
+    @property
+    def shapes(self) -> tuple[int, ...]:
+        """(H, K, B, ctx, T, Dc, Dr, Hm, block_tokens)."""
+        small = self.args.small
+        return ((4, 32) if small else (32, 128)) + ((8, 300, 256) if small else (64, 4096, 4096)) + \
+            ((64, 16, 4) if small else (512, 64, 32)) + (64 if small else self.args.block_tokens,)
+
+
+def _kda_decode(run: _Run) -> None:
+    args, device, impls, gen, randn = run.args, run.device, run.impls, run.gen, run.randn
+    H, K, B, *_ = run.shapes
+    figures, errors, with_triton = run.figures, run.errors, run.with_triton
     # KDA decode: B sequences' states in pool pages, updated in place.
     num_pages = 2 * B
     state = randn(num_pages, H, K, K) * 0.1
@@ -88,6 +122,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         errors.append(rel_err(outs["cpu"], outs["naive"]))
         figures["kda_decode_cpu_speedup"] = times["naive"] / times["cpu"]
 
+
+def _mla_decode_and_weights(run: _Run) -> None:
+    args, device, impls, gen, randn = run.args, run.device, run.impls, run.gen, run.randn
+    H, _, B, ctx, _, Dc, Dr, Hm, bt = run.shapes
+    figures, errors, with_triton = run.figures, run.errors, run.with_triton
     # Paged MLA decode (absorbed) over ctx tokens per sequence.
     blocks = -(-ctx // bt)
     cache = randn(B * blocks + 1, bt, Dc + Dr)
@@ -119,6 +158,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         errors.append(rel_err(outs["triton"], outs["naive"]))
         figures["mla_weights_speedup"] = times["naive"] / times["triton"]
 
+
+def _kda_chunk(run: _Run) -> None:
+    args, device, impls, randn = run.args, run.device, run.impls, run.randn
+    H, K, _, _, T, *_ = run.shapes
+    figures, errors, with_triton = run.figures, run.errors, run.with_triton
     # KDA chunked prefill of one long sequence with states at hash-block ends.
     q, k = F.normalize(randn(1, T, H, K), dim=-1), F.normalize(randn(1, T, H, K), dim=-1)
     v, g, beta = randn(1, T, H, K), F.logsigmoid(randn(1, T, H, K)), torch.sigmoid(randn(1, T, H))
@@ -133,12 +177,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if with_triton:
         errors += [rel_err(a, b) for a, b in zip(outs["triton"], outs["naive"])]
         figures["kda_chunk_speedup"] = times["naive"] / times["triton"]
-    else:
-        print("no CUDA device: torch paths timed only (Triton checked under the interpreter by pytest -m triton)")
-    if errors:
-        figures["max_rel_err"] = max(errors)
-    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()) or "native=0")
-    return figures
 
 
 if __name__ == "__main__":
