@@ -17,7 +17,7 @@ import torch
 from models.model import HybridLM
 from rl.rollout import Trajectory
 from trainer.chunks import ChunkedModel
-from trainer.losses import LossConfig, lookup, rl_loss
+from trainer.losses import LossConfig, Segments, lookup, rl_loss
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer, micro_batches
 
@@ -83,35 +83,20 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     total_valid = max(1, total_valid)
     token_level = loss_config.aggregation == "token-mean"
     parts: list[tuple[float, dict[str, float]]] = []  # (policy tokens, rl_loss metrics) per micro-batch
-    # The trainer calls loss_fn once per micro-batch, in the order of `micro_batches`: their layout
-    # ([sequences, longest] padding of the packed rows) is known on the host, so building it needs no
-    # host sync; its index tensors reach the device in one copy per micro-batch.
+    # The trainer calls loss_fn once per micro-batch, in the order of `micro_batches`: a run of
+    # consecutive sequences, whose packed rows rl_loss takes as they are (no padding), with each
+    # row's sequence within the micro-batch computed on the device (no host sync, no copy).
     plan = iter(micro_batches(batch.seq_lens, micro_batch_tokens) if batch.num_sequences else [])
 
     def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # rl_loss takes [B, T]; a micro-batch's packed rows are one "sequence" for token-mean,
-        # and are split per trajectory (padded) for the per-sequence aggregations.
         seqs = next(plan)
-        lens = [batch.seq_lens[i] for i in seqs]
-        shape = (len(seqs), max(lens))
-        if sum(lens) != rows.numel():
-            raise RuntimeError(f"micro-batch of sequences {seqs} has {sum(lens)} rows, the trainer passed "
-                               f"{rows.numel()}: policy_update's plan and the trainer's disagree")
-        # [2, n] staged on the host (page-locked on CUDA: a non-blocking copy needs it)
-        index = torch.tensor([[j for j, n in enumerate(lens) for _ in range(n)], [t for n in lens for t in range(n)]],
-                             dtype=torch.long, device="cpu", pin_memory=rows.device.type == "cuda")
-        local, cols = index.to(rows.device, non_blocking=True)  # [n] each: padded row and column of each row
-
-        def pad(x: torch.Tensor, fill=0.0) -> torch.Tensor:
-            out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
-            out[local, cols] = x
-            return out
-
-        mask = pad(batch.mask[rows], False)
-        old = pad(logp.detach())
-        loss, metrics = rl_loss(pad(logp), old, pad(batch.advantages[rows]), mask, loss_config,
-                                behaviour_logp=pad(batch.behaviour[rows]),
-                                ref_logp=None if ref_logp is None else pad(ref_logp[rows]))
+        if sum(batch.seq_lens[i] for i in seqs) != rows.numel():
+            raise RuntimeError(f"micro-batch of sequences {seqs} has {sum(batch.seq_lens[i] for i in seqs)} rows, "
+                               f"the trainer passed {rows.numel()}: policy_update's plan and the trainer's disagree")
+        segments = Segments(batch.seq_of_row[rows] - seqs[0], len(seqs))  # [n]: 0 .. len(seqs) - 1
+        loss, metrics = rl_loss(logp, logp.detach(), batch.advantages[rows], batch.mask[rows], loss_config,
+                                behaviour_logp=batch.behaviour[rows],
+                                ref_logp=None if ref_logp is None else ref_logp[rows], segments=segments)
         # Gradients are summed over micro-batches: weight this one by its share of the aggregate.
         valid = sum(policy_tokens[i] for i in seqs)
         share = (valid / total_valid) if token_level else len(seqs) / max(1, total_seqs)

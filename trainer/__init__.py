@@ -6,6 +6,7 @@ from trainer.losses import (
     POLICY_LOSSES,
     LossConfig,
     PolicyLossOutput,
+    Segments,
     grpo_advantages,
     lookup,
     register,
@@ -14,6 +15,6 @@ from trainer.losses import (
 )
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "LossConfig", "PolicyLossOutput",
+    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "LossConfig", "PolicyLossOutput", "Segments",
     "grpo_advantages", "lookup", "register", "rl_loss", "rloo_advantages",
 ]

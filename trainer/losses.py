@@ -4,7 +4,12 @@ Every algorithm is a pure function registered by name in one of four registries 
 `lookup`); `LossConfig` names the ones `rl_loss` uses, so a new variant is a new registered function,
 not a new flag.
 
-Three log-probability tensors of the sampled tokens, all [B, T], and which is which:
+Layouts: per-token tensors are either padded, [B, T] (row b is sequence b), or packed, [N] with
+`Segments` naming each row's sequence (the trainer's layout: no padding). `rl_loss` and the
+aggregations compute on the packed layout; a padded input is flattened into it (views, no copy),
+so both give the same loss. The per-token functions (policy losses, KL estimators) are elementwise.
+
+Three log-probability tensors of the sampled tokens, all [B, T] (or [N]), and which is which:
 - `behaviour_logp`: recorded by the rollout engine when the token was sampled (rollout/sampling.py's
   convention). With partial rollouts a sequence's tokens may come from several *older* weight
   versions, and the inference kernels differ numerically from the trainer's.
@@ -37,8 +42,9 @@ POLICY_LOSSES: dict[str, Callable[..., "PolicyLossOutput"]] = {}
 """name -> fn(logp, old_logp, advantages, config) -> PolicyLossOutput; all tensors [B, T]."""
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
 """name -> fn(logp, ref_logp) -> per-token estimate of KL(pi || ref), all [B, T]."""
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
-"""name -> fn(values [B, T], mask [B, T] bool) -> scalar."""
+AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
+"""name -> fn(values, mask bool, segments=None) -> scalar; values, mask [B, T] (segments None) or
+packed [N] with `segments`."""
 
 _REGISTRIES: dict[str, dict[str, Callable]] = {
     "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES,
@@ -155,11 +161,39 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.expm1(d) - d
 
 
+# ---- layouts -------------------------------------------------------------------------------------------
+class Segments(NamedTuple):
+    """The packed layout's sequences: row i of an [N] tensor belongs to sequence `ids[i]`."""
+
+    ids: Tensor
+    """[N] int64, on the rows' device: each row's sequence, in [0, count)."""
+    count: int
+    """Number of sequences (some may own no valid row)."""
+
+    @staticmethod
+    def of_rows(shape: torch.Size, device: torch.device) -> "Segments":
+        """The padded layout [B, T] seen as packed: row-major, row b of the padding is sequence b."""
+        return Segments(torch.arange(shape[0], device=device).repeat_interleave(shape[1]), shape[0])
+
+
+def _packed(values: Tensor, mask: Tensor, segments: Segments | None) -> tuple[Tensor, Tensor, Segments]:
+    """(values [N], mask [N], segments) from either layout (a padded one is flattened: a view)."""
+    if segments is None:
+        segments = Segments.of_rows(values.shape, values.device)
+        return values.reshape(-1), mask.reshape(-1), segments
+    return values, mask, segments
+
+
+def _per_sequence(x: Tensor, segments: Segments) -> Tensor:
+    """[count]: the sum of each sequence's rows of x [N]."""
+    return torch.zeros(segments.count, dtype=x.dtype, device=x.device).index_add_(0, segments.ids, x)
+
+
 # ---- aggregation (DAPO, arXiv:2503.14476 §3.3, and verl's `loss_agg_mode`) ---------------------------
 @register("aggregation", "token-mean")
-def token_mean(values: Tensor, mask: Tensor) -> Tensor:
+def token_mean(values: Tensor, mask: Tensor, segments: Segments | None = None) -> Tensor:
     """Sum over valid tokens / number of valid tokens in the batch: every token weighs the same (DAPO's
-    token-level loss), so long responses are not down-weighted. values, mask: [B, T] -> scalar.
+    token-level loss), so long responses are not down-weighted. Either layout -> scalar.
 
     The count is this call's; a batch split into micro-batches must rescale by its share of tokens.
     """
@@ -167,21 +201,23 @@ def token_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 @register("aggregation", "seq-mean-token-mean")
-def seq_mean_token_mean(values: Tensor, mask: Tensor) -> Tensor:
+def seq_mean_token_mean(values: Tensor, mask: Tensor, segments: Segments | None = None) -> Tensor:
     """Mean over sequences of each sequence's token mean (the original GRPO objective): every sequence
-    weighs the same. Sequences without a valid token are left out of the mean. [B, T] -> scalar."""
-    num_tokens = mask.sum(dim=1)  # [B]
-    has_tokens = num_tokens > 0  # [B]
-    per_seq = torch.where(mask, values, 0.0).sum(dim=1) / num_tokens.clamp_min(1)  # [B]
-    return per_seq[has_tokens].mean()
+    weighs the same. Sequences without a valid token are left out of the mean. Either layout -> scalar."""
+    values, mask, segments = _packed(values, mask, segments)
+    num_tokens = _per_sequence(mask.to(values.dtype), segments)  # [S]
+    has_tokens = num_tokens > 0  # [S]
+    per_seq = _per_sequence(torch.where(mask, values, 0.0), segments) / num_tokens.clamp_min(1)  # [S]
+    return torch.where(has_tokens, per_seq, 0.0).sum() / has_tokens.sum()  # no boolean indexing: no sync
 
 
 @register("aggregation", "seq-mean-token-sum")
-def seq_mean_token_sum(values: Tensor, mask: Tensor) -> Tensor:
+def seq_mean_token_sum(values: Tensor, mask: Tensor, segments: Segments | None = None) -> Tensor:
     """Mean over sequences of each sequence's token sum. Sequences without a valid token are left out
-    of the mean. [B, T] -> scalar."""
-    has_tokens = mask.any(dim=1)  # [B]
-    return torch.where(mask, values, 0.0).sum(dim=1)[has_tokens].mean()
+    of the mean. Either layout -> scalar."""
+    values, mask, segments = _packed(values, mask, segments)
+    has_tokens = _per_sequence(mask.to(values.dtype), segments) > 0  # [S]
+    return torch.where(has_tokens, _per_sequence(torch.where(mask, values, 0.0), segments), 0.0).sum() / has_tokens.sum()
 
 
 # ---- config ------------------------------------------------------------------------------------------
@@ -284,12 +320,15 @@ def importance_weighted_pg_loss(logp: Tensor, old_logp: Tensor, advantages: Tens
 # ---- entry point ---------------------------------------------------------------------------------------
 def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, config: LossConfig, *,
             behaviour_logp: Tensor | None = None, ref_logp: Tensor | None = None,
-            entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+            entropy: Tensor | None = None, segments: Segments | None = None) -> tuple[Tensor, dict[str, float]]:
     """The scalar RL loss of one (micro-)batch and its metrics.
 
     logp, old_logp, behaviour_logp, ref_logp, entropy, mask: [B, T] (see the module docstring for
     which logp is which); advantages: [B] (one per sequence, broadcast over its tokens) or [B, T];
     mask: bool or 0/1, True for valid (response) tokens. Half-precision inputs are computed in fp32.
+    With `segments` every input is packed instead, [N] (advantages too: one per row), and
+    `segments` names each row's sequence; the padded layout is computed as its flattening, so both
+    layouts of the same tokens give the same loss.
 
     Per token: pg = policy_loss * tis_weight, tis_weight = min(exp(old_logp - behaviour_logp), tis_cap)
     (detached; 1 when behaviour_logp is None or tis_cap is None; it weights the policy term only, as
@@ -306,8 +345,16 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     Raises ValueError on shape mismatch, an empty batch (B = 0, T = 0 or no valid token), a mask value
     other than 0/1, a non-finite input at a valid token, or a nonzero coefficient whose input is missing.
     """
-    mask, bad_counts = _check_inputs(logp, old_logp, advantages, mask, behaviour_logp=behaviour_logp,
+    mask, bad_counts = _check_inputs(logp, old_logp, advantages, mask, segments, behaviour_logp=behaviour_logp,
                                      ref_logp=ref_logp, entropy=entropy)
+    shape = tuple(mask.shape)
+    if segments is None:  # padded [B, T] -> packed [B * T] (views)
+        segments = Segments.of_rows(logp.shape, logp.device)
+        if advantages.ndim == 1:
+            advantages = advantages[:, None].expand_as(logp)  # [B, T]
+        logp, old_logp, advantages, mask = (x.reshape(-1) for x in (logp, old_logp, advantages, mask))
+        behaviour_logp, ref_logp, entropy = (None if x is None else x.reshape(-1)
+                                             for x in (behaviour_logp, ref_logp, entropy))
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp, got None")
     if config.entropy_coef > 0 and entropy is None:
@@ -315,12 +362,14 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
 
     def valid(x: Tensor) -> Tensor:
         # masked-out positions may hold anything (NaN); zero them so they cannot poison sums or grads
-        return torch.where(mask, _as_float(x), 0.0)  # [B, T]
+        return torch.where(mask, _as_float(x), 0.0)  # [N]
 
-    if advantages.ndim == 1:
-        advantages = advantages[:, None].expand_as(logp)  # [B, T]
     logp, old_logp, advantages = valid(logp), valid(old_logp).detach(), valid(advantages).detach()
-    aggregate = lookup("aggregation", config.aggregation)
+    chosen = lookup("aggregation", config.aggregation)
+
+    def aggregate(values: Tensor, where: Tensor) -> Tensor:
+        return chosen(values, where, segments)
+
     num_tokens = mask.sum()
     # Metrics stay 0-dim tensors until the end, where they and the input checks' counts reach the
     # host in one transfer: one host sync per call (on CUDA every .item() would be one).
@@ -334,11 +383,11 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
         return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
 
     out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config)
-    pg = out.loss  # [B, T]
+    pg = out.loss  # [N]
     metrics: dict[str, Tensor] = {}
     if behaviour_logp is not None and config.tis_cap is not None:
-        raw = torch.exp(old_logp - valid(behaviour_logp).detach())  # [B, T]
-        tis_weight = raw.clamp(max=config.tis_cap)  # [B, T]
+        raw = torch.exp(old_logp - valid(behaviour_logp).detach())  # [N]
+        tis_weight = raw.clamp(max=config.tis_cap)  # [N]
         pg = pg * tis_weight
         metrics.update(tis_weight_mean=item(token_mean(tis_weight, mask)),
                        tis_capped_frac=frac(raw > config.tis_cap), tis_raw_ratio_max=masked_max(raw))
@@ -357,7 +406,7 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
                    ratio_mean=item(token_mean(out.ratio, mask)), ratio_max=masked_max(out.ratio))
     names = list(metrics)
     values = torch.cat([bad_counts.float(), torch.stack([metrics[n] for n in names]).to(bad_counts.device)]).tolist()
-    _raise_on_bad_values(dict(zip(_CHECK_NAMES, values)), tuple(mask.shape))
+    _raise_on_bad_values(dict(zip(_CHECK_NAMES, values)), shape)
     return loss, dict(zip(names, values[len(_CHECK_NAMES):]))
 
 
@@ -397,15 +446,23 @@ def _raise_on_bad_values(counts: dict[str, float], shape: tuple[int, ...]) -> No
                              f"expected all finite")
 
 
-def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, segments: Segments | None,
                   **optional: Tensor | None) -> tuple[Tensor, Tensor]:
     """Check rl_loss's input shapes (raises at once) and count its bad values without a host sync.
-    Returns (mask as bool [B, T], counts [len(_CHECK_NAMES)] int64 on the mask's device: entries of
-    the mask other than 0/1, valid tokens, then non-finite values at valid tokens per input), which
-    `_raise_on_bad_values` turns into errors once they are on the host."""
-    if logp.ndim != 2:
-        raise ValueError(f"logp shape {tuple(logp.shape)}, expected [B, T]")
-    if logp.shape[0] == 0 or logp.shape[1] == 0:
+    Returns (mask as bool, counts [len(_CHECK_NAMES)] int64 on the mask's device: entries of the
+    mask other than 0/1, valid tokens, then non-finite values at valid tokens per input), which `_raise_on_bad_values` turns into errors once they are on the host."""
+    if segments is not None:
+        if logp.ndim != 1 or segments.ids.shape != logp.shape:
+            raise ValueError(f"packed layout: logp shape {tuple(logp.shape)} and segments.ids shape "
+                             f"{tuple(segments.ids.shape)}, expected both [N]")
+        if advantages.shape != logp.shape:
+            raise ValueError(f"packed layout: advantages shape {tuple(advantages.shape)}, expected one per row "
+                             f"[N]={tuple(logp.shape)}")
+        if logp.numel() == 0:
+            raise ValueError("empty batch: logp has no row, expected N >= 1")
+    elif logp.ndim != 2:
+        raise ValueError(f"logp shape {tuple(logp.shape)}, expected [B, T] (or [N] with segments)")
+    elif logp.shape[0] == 0 or logp.shape[1] == 0:
         raise ValueError(f"empty batch: logp shape {tuple(logp.shape)}, expected B >= 1 and T >= 1")
     if not logp.is_floating_point():
         raise ValueError(f"logp dtype {logp.dtype}, expected a floating dtype")
@@ -413,13 +470,13 @@ def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     for name, x in named.items():
         if x.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} does not match logp shape {tuple(logp.shape)}")
-    if advantages.shape not in (logp.shape[:1], logp.shape):
+    if segments is None and advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match logp shape "
                          f"{tuple(logp.shape)}, expected [B]={tuple(logp.shape[:1])} or [B, T]={tuple(logp.shape)}")
     not_01 = ((mask != 0) & (mask != 1)).sum() if mask.dtype != torch.bool else torch.zeros((), dtype=torch.long,
                                                                                              device=mask.device)
     mask = mask if mask.dtype == torch.bool else mask == 1
-    adv = advantages[:, None].expand_as(mask) if advantages.ndim == 1 else advantages
+    adv = advantages[:, None].expand_as(mask) if advantages.shape != mask.shape else advantages
     counts = [not_01, mask.sum(), _count_non_finite(logp, mask), _count_non_finite(adv, mask)]
     counts += [_count_non_finite(optional.get(name) if name != "old_logp" else old_logp, mask)
                for name in _CHECK_NAMES[4:]]

@@ -16,6 +16,7 @@ from trainer.losses import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     LossConfig,
+    Segments,
     grpo_advantages,
     lookup,
     register,
@@ -349,6 +350,53 @@ def test_gradient_matches_hand_derivation_and_finite_differences():
                 expected[b, s] = (-adv[b].item() * r * w + 0.3 * (1 - math.exp(ref[b, s] - logp0[b, s]))) / n
     torch.testing.assert_close(logp.grad, expected, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradcheck(f, (logp0.clone().requires_grad_(),))
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.sampled_from(sorted(AGGREGATIONS)),
+       st.integers(0, 2**31 - 1))
+@settings(max_examples=30, deadline=None)
+def test_the_packed_layout_gives_the_padded_layouts_loss_metrics_and_gradients(lens, aggregation, seed):
+    """The same ragged sequences, packed (no padding; Segments) and padded ([B, T], NaN in the
+    padding): equal loss, metrics and gradient at every token."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(lens)
+
+    def draw(scale=1.0, shift=0.0):
+        return (torch.rand(rows, generator=gen, dtype=torch.float64) - 0.5) * scale + shift
+
+    old, behaviour, ref, ent = draw(1, -1), draw(1, -1), draw(1, -1), draw(1, 1)
+    logp = old + draw(0.6)
+    adv_per_seq = torch.randn(len(lens), generator=gen, dtype=torch.float64)
+    mask = torch.rand(rows, generator=gen) < 0.7
+    mask[0] = True
+    ids = torch.tensor([j for j, n in enumerate(lens) for _ in range(n)])
+    cfg = LossConfig(aggregation=aggregation, kl_coef=0.2, entropy_coef=0.05, dual_clip_c=3.0)
+    cols = torch.tensor([c for n in lens for c in range(n)])
+
+    def pad(x, fill=float("nan")):
+        out = torch.full((len(lens), max(lens)), fill, dtype=x.dtype)
+        out[ids, cols] = x
+        return out
+
+    packed_logp, padded_logp = logp.clone().requires_grad_(), pad(logp).requires_grad_()
+    packed, pm = rl_loss(packed_logp, old, adv_per_seq[ids], mask, cfg, behaviour_logp=behaviour, ref_logp=ref,
+                         entropy=ent, segments=Segments(ids, len(lens)))
+    padded, qm = rl_loss(padded_logp, pad(old), adv_per_seq, pad(mask, False), cfg, behaviour_logp=pad(behaviour),
+                         ref_logp=pad(ref), entropy=pad(ent))
+    packed.backward()
+    padded.backward()
+    assert packed.item() == pytest.approx(padded.item(), rel=1e-12, abs=1e-12)
+    assert pm.keys() == qm.keys() and all(pm[k] == pytest.approx(qm[k], rel=1e-12, abs=1e-12) for k in pm)
+    torch.testing.assert_close(packed_logp.grad, padded_logp.grad[ids, cols], rtol=1e-12, atol=1e-14)
+
+
+def test_the_packed_layout_refuses_mismatched_segments():
+    with pytest.raises(ValueError, match=r"segments.ids shape \(2,\), expected both \[N\]"):
+        rl_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), LossConfig(),
+                segments=Segments(torch.zeros(2, dtype=torch.long), 1))
+    with pytest.raises(ValueError, match="advantages shape .*expected one per row"):
+        rl_loss(torch.zeros(3), torch.zeros(3), torch.zeros(1), torch.ones(3), LossConfig(),
+                segments=Segments(torch.zeros(3, dtype=torch.long), 1))
 
 
 def test_entropy_gradient_flows():
