@@ -7,7 +7,7 @@ the very helper, of the code that allocates it:
 - device weights: the policy's parameters in experiment.dtype (models/precision.py: a few stay
   FP32); the engine runs on the same tensors (rl/train.py `build`), so they count once.
 - device pool: `CacheLayout.for_model` page bytes (MLA latents in the model's dtype, KDA states in
-  rollout.kda_state_dtype) times memory.pool_mb // page_bytes pages, as `PagePool.from_bytes`.
+  engine.kda_state_dtype) times engine.pool_mb // page_bytes pages, as `PagePool.from_bytes`.
 - device grad slots: num_grad_slots FP32 slots of the largest VPP chunk, padded to a multiple of
   the world (`split_chunks` + `ChunkedModel.chunk_parameters`, ShardedHostAdamW's padding).
 - device activation peak: `rl/plan_activation.chunk_activation_peaks`, the trainer's own chunk
@@ -18,7 +18,7 @@ the very helper, of the code that allocates it:
 - host masters / grads / moments: per chunk one FP32 shard of ceil(numel / world) elements each;
   AdamW keeps two per chunk plus a step counter (a 4-byte tensor with torch's AdamW, a python int
   with DeepSpeed's, which "auto" picks when it builds).
-- host pool: memory.host_pool_mb // page_bytes pages; host parked: the KV of paused partial
+- host pool: engine.host_pool_mb // page_bytes pages; host parked: the KV of paused partial
   rollouts over the train phase, inside the host pool (an upper bound: how many are paused is up to
   the budget and the dispatcher).
 - host reference: the streamed reference's host vectors, chunk by chunk, each parameter aligned to
@@ -98,8 +98,9 @@ def meta_policy(cfg: RunConfig) -> HybridLM:
 
 def cache_layout(cfg: RunConfig) -> CacheLayout:
     """The engine's page geometry (rollout/engine.py: MLA cache in the output weight's dtype)."""
-    return CacheLayout.for_model(cfg.model, cache_dtype=meta_policy(cfg).output_weight.dtype,
-                                 state_dtype=parse_dtype(cfg.rollout.kda_state_dtype))
+    return CacheLayout.for_model(cfg.model, group_layers=cfg.engine.group_layers, block_tokens=cfg.engine.block_tokens,
+                                 cache_dtype=meta_policy(cfg).output_weight.dtype,
+                                 state_dtype=parse_dtype(cfg.engine.kda_state_dtype))
 
 
 def _param_bytes(params) -> int:
@@ -141,7 +142,7 @@ def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOpt
     """Sequence lengths of this rank's micro-batches: the rank with the most groups (ceil of the
     global groups over the world) trains group_size trajectories per group, each of seq_len - 1
     tokens (inputs tokens[:-1]), packed by trainer.micro_batch_tokens as the trainer does."""
-    seq_len = options.seq_len if options.seq_len is not None else cfg.rollout.max_model_len
+    seq_len = options.seq_len if options.seq_len is not None else cfg.engine.max_model_len
     groups = math.ceil(cfg.rollout.groups_per_iteration / cluster.world)
     lens = [seq_len - 1] * (groups * cfg.algo.group_size)
     return [[lens[i] for i in mb] for mb in micro_batches(lens, cfg.trainer.micro_batch_tokens)]
@@ -156,8 +157,9 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     shards = [math.ceil(n / world) for n in numels]
     weights = _param_bytes(model.parameters())
     layout = cache_layout(cfg)
-    pool_pages = (cfg.memory.pool_mb << 20) // layout.page_bytes
-    host_pages = (cfg.memory.host_pool_mb << 20) // layout.page_bytes
+    e = cfg.engine
+    pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
+    host_pages = e.host_num_pages if e.host_num_pages is not None else (e.host_pool_mb << 20) // layout.page_bytes
     kl = cfg.algo.loss.kl_coef > 0
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
@@ -198,7 +200,7 @@ def phase_names(cfg: RunConfig, world: int, iteration: int) -> list[str]:
     release, spill = cfg.memory.release_pool_in_train, cfg.memory.spill_dir is not None
     return ((["wake"] if release and iteration > 0 else []) + ["load_weights", "rollout"]
             + (["sleep"] if release else []) + (["gather"] if world > 1 else [])
-            + (["restore"] if spill and iteration > 0 else []) + ["train", "offload", "checkpoint"])
+            + (["restore"] if spill and iteration > 0 else []) + ["train", "checkpoint", "offload"])
 
 
 def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
