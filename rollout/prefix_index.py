@@ -16,7 +16,8 @@ Lookup (`match`): the MLA stage walks h_1, h_2, ... while entries exist (whole p
 their last hash, then the in-page fallback at the first page that is not complete); the KDA stage
 takes the longest boundary inside that with a complete checkpoint set; the hit always leaves at
 least one token to compute. Pages, refcounts, pinning and eviction belong to the pool and the cache
-manager; this module is pure bookkeeping (no tensors) so it can be tested exhaustively.
+manager; this module is pure bookkeeping (no tensors) so it can be tested exhaustively. Locations
+are opaque hashable values (the prefix cache uses `rollout.page_loc.Loc`, tier + page).
 """
 from __future__ import annotations
 
@@ -151,6 +152,32 @@ class PrefixIndex:
             pages_by_block.append(self.mla[hashes[best - 1]])
         kda_pages = tuple(self.kda[hashes[best - 1]][g] for g in range(self.num_kda_groups)) if best else ()
         return Match(best * self.hash_block, pages_by_block, kda_pages, mla_blocks * self.hash_block)
+
+    # ---- queries ----------------------------------------------------------------------------------------
+    def keys_of(self, page) -> frozenset[bytes]:
+        """The MLA keys that read `page` (empty if none)."""
+        return frozenset(self._keys_of_page.get(page, ()))
+
+    def checkpoint_of(self, page) -> bytes | None:
+        """The boundary whose KDA checkpoint `page` holds; None if it holds none."""
+        return self._kda_key_of_page.get(page)
+
+    def bundle(self, page) -> list:
+        """The pages that move between tiers (or go) together with the indexed `page`: an MLA page
+        tuple (one page per MLA group, one physical block) and every complete or partial KDA
+        checkpoint at a boundary inside it. A checkpoint thus always sits on the tier of the MLA
+        pages of its last block; a checkpoint without MLA keys goes alone, with its siblings."""
+        h = self._kda_key_of_page.get(page)
+        if h is not None:
+            pages = self.mla.get(h)
+            if pages is None:
+                return list(self.kda[h].values())
+        else:
+            pages = self.mla[next(iter(self._keys_of_page[page]))]
+        out = list(pages)
+        for key in self._keys_of_page.get(pages[0], ()):
+            out += [p for p in self.kda.get(key, {}).values() if p not in out]
+        return out
 
     # ---- eviction ---------------------------------------------------------------------------------------
     def forget_page(self, page: int) -> list[int]:
