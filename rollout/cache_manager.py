@@ -1,37 +1,61 @@
-"""Which pool pages each sequence owns: allocation, forking, freeing, block tables.
+"""The single façade over every KV tier: which pool pages each sequence owns, and the phases.
 
 Every sequence holds, per MLA cache group, `ceil(tokens / block_tokens)` pages in logical order
 (its block table) and, per KDA cache group, one private page with its recurrent state. Pages are
 ref-counted by the pool; a page shared by forks is referenced once per sequence holding it.
-Invariant (`check_integrity`): each page's pool refcount == the number of sequence slots that
-list it, and the pool's own free/used accounting holds.
+The scheduler and the engine call phase methods only — `chunk`, `admit`, `grow`, `reset`,
+`finish`, `before_forward`, `after_forward`, `idle`, `park`/`sleep`/`wake`, `set_version`,
+`stats` — never the parts behind them: the prefix cache (rollout/prefix_cache.py), the host tier
+(rollout/host_tier.py), the token evictor (rollout/kv_eviction.py), the step's page copies.
+Invariant (`check_integrity`): each page's pool refcount == the number of sequence slots, index
+entries and pending copies that list it, and the pool's own free/used accounting holds.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from memory.page_pool import OutOfPages, PagePool
+from rollout.host_tier import HostTier
+from rollout.kv_eviction import KVEvictor, StepObserver
+from rollout.prefix_cache import PrefixCache
 from rollout.request import Sequence
-
-if TYPE_CHECKING:
-    from rollout.kv_eviction import KVEvictor
-    from rollout.prefix_cache import PrefixCache
 
 
 class CacheManager:
-    def __init__(self, pool: PagePool, prefix: "PrefixCache | None" = None,
-                 evictor: "KVEvictor | None" = None) -> None:
-        self.pool, self.prefix, self.evictor = pool, prefix, evictor
+    def __init__(self, pool: PagePool, prefix: PrefixCache | None = None, evictor: KVEvictor | None = None,
+                 host_tier: HostTier | None = None) -> None:
+        self.pool, self.prefix, self.evictor, self.host_tier = pool, prefix, evictor, host_tier
         self.layout = pool.layout
         self.num_kda_groups = len(self.layout.kda_groups)
         self.num_mla_groups = len(self.layout.mla_groups)
 
-    @property
-    def max_chunk(self) -> int | None:
-        """Most new tokens one step may give a sequence (a KV budget's limit), None = any."""
-        return self.evictor.config.max_chunk if self.evictor is not None else None
+    # ---- what the scheduler asks -----------------------------------------------------------------------
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` may compute this step out of `budget`: at most a KV budget's `max_chunk`; with
+        a prefix cache, a prefill chunk that crosses a hash-block boundary ends on the last one it
+        crosses (or earlier, on the one under a turn boundary), so the KDA state after the chunk is
+        a checkpoint the cache can keep."""
+        want = min(seq.num_uncomputed, budget, self.max_chunk or budget)
+        if self.prefix is not None and want > 1:
+            hb, start = self.prefix.config.hash_block, seq.num_computed
+            # Also stop at the hash boundary under a conversation-turn boundary: that checkpoint is
+            # the one later turns (and other sessions sharing the prompt) will hit.
+            stops = [p // hb * hb for p in seq.turn_boundaries] + [(start + want) // hb * hb]
+            inside = [b for b in stops if start < b < start + want]
+            if inside:
+                want = min(inside) - start
+        return want
+
+    def admit(self, seq: Sequence) -> bool:
+        """Start a waiting sequence at its longest cached prefix (if any). False: that prefix waits
+        on a pending copy or a prefetch; admit the sequence next step (nothing changed)."""
+        return self.prefix is None or self.prefix.attach(seq) is not None
+
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        """Make `seq` ready to compute `num_new` more tokens: evict tokens under a KV budget, then
+        allocate the pages it lacks. False when the pool cannot (nothing allocated)."""
+        return self.make_room(seq, num_new) and self.ensure_capacity(seq, seq.kv_len + num_new)
 
     def make_room(self, seq: Sequence, num_new: int) -> bool:
         """With a KV budget, evict so `seq` can take `num_new` tokens within it (see
@@ -48,6 +72,85 @@ class CacheManager:
         seq.num_computed = 0
         if self.evictor is not None:
             self.evictor.reset(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """The sequence is done (or aborted): its pages and per-sequence state go."""
+        self.reset(seq)
+        if self.prefix is not None:
+            self.prefix.forget(seq)
+
+    # ---- around the forward pass -----------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Run the step's pending page copies (one batch), right before the forward pass."""
+        if self.prefix is not None:
+            self.prefix.flush()
+
+    def observer(self, seqs: list[Sequence], num_new: list[int]) -> StepObserver | None:
+        """With a KV budget, the step's attention observer (`models.paged.KVObserver`); else None."""
+        return self.evictor.begin_step(seqs, num_new) if self.evictor is not None else None
+
+    def observed(self, observer: StepObserver | None) -> None:
+        """After the forward (`num_computed` advanced): the observer's scores join the budget's books."""
+        if observer is not None:
+            self.evictor.end_step(observer)
+
+    def after_forward(self, seqs: list[Sequence]) -> None:
+        """Index what the pass computed (prefix cache), before anything finishes."""
+        if self.prefix is not None:
+            for seq in seqs:
+                self.prefix.register(seq)
+
+    def idle(self) -> None:
+        """No work left: nothing may stay half-copied."""
+        if self.prefix is not None:
+            self.prefix.flush()
+
+    # ---- memory and weights --------------------------------------------------------------------------
+    def park(self, paused: list[Sequence]) -> None:
+        """Before a sleep: run pending copies; with a host tier, park the paused sequences' pages there
+        (a sequence it cannot take keeps its pages: the scheduler's preemption frees them)."""
+        self.before_forward()
+        if self.host_tier is not None:
+            for seq in self.host_tier.park(paused):
+                self.free(seq)
+
+    def sleep(self) -> None:
+        """Release the device pool (every sequence's pages already freed or parked); the prefix cache
+        writes its turn-boundary entries back to the host tier and drops the rest of the device tier."""
+        if self.prefix is not None:
+            self.prefix.sleep()
+        self.pool.release()
+
+    def wake(self, paused: list[Sequence]) -> None:
+        """Take the device pool back and restore the parked sequences among `paused` (bit for bit);
+        one the pool cannot take is reset (recomputed after it resumes)."""
+        self.pool.reacquire()
+        if self.host_tier is not None:
+            for seq in self.host_tier.unpark(paused):
+                self.reset(seq)
+
+    @property
+    def num_parked_pages(self) -> int:
+        """Host pages holding paused sequences' pages over a sleep."""
+        return self.host_tier.num_parked_pages if self.host_tier is not None else 0
+
+    def set_version(self, version: int) -> None:
+        """New weights: InfiniGen's partial keys follow them; prefixes computed by older ones stop
+        matching (rollout/prefix_cache.py `set_version`)."""
+        if self.evictor is not None:
+            self.evictor.weights_updated()
+        if self.prefix is not None:
+            self.prefix.set_version(version)
+
+    def stats(self) -> dict[str, float]:
+        """The token evictor's counters, `kv_`-prefixed (none without a KV budget)."""
+        return {f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {}
+
+    # ---- pages ---------------------------------------------------------------------------------------
+    @property
+    def max_chunk(self) -> int | None:
+        """Most new tokens one step may give a sequence (a KV budget's limit), None = any."""
+        return self.evictor.config.max_chunk if self.evictor is not None else None
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs to hold `num_tokens` MLA slots."""

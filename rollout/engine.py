@@ -3,8 +3,9 @@
     engine = Engine(model, EngineConfig(num_pages=256))
     outputs = engine.generate([prompt_ids, ...], SamplingParams(temperature=0.7, n=8))
 
-`step()` is the whole pipeline, nano-vllm style: schedule -> run the model on pool pages ->
-sample / fork / finish. Requests can be aborted, paused and resumed; `sleep()` hands the device
+`step()` is the whole pipeline, nano-vllm style, one method per stage: schedule -> prepare (who
+samples, from which generators) -> run the model on pool pages -> sample (forking prompts) ->
+postprocess (append, finish). Every KV tier is behind `self.cache` (rollout/cache_manager.py). Requests can be aborted, paused and resumed; `sleep()` hands the device
 pool back (nothing generated is lost: running sequences are recomputed after `wake()`; with a host
 KV pool, paused sequences' pages and the prefix cache's turn-boundary entries are written to host
 memory first and come back on `wake()` / on their next hit); `load_weights` installs a new policy
@@ -16,6 +17,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 from rich.progress import Progress
@@ -31,11 +33,13 @@ from models.precision import parse_dtype
 from rollout.cache_manager import CacheManager
 from rollout.engine_config import EngineConfig
 from rollout.kv_eviction import KVEvictor
+from rollout.host_tier import HostTier
 from rollout.model_runner import ModelRunner, sampling_indices
+from rollout.page_copies import PageCopies
 from rollout.prefix_cache import PrefixCache
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, SamplingRows, sample_rows
-from rollout.scheduler import Scheduler, SchedulerConfig
+from rollout.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 
 
 class ContextTooLong(ValueError):
@@ -65,6 +69,16 @@ def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.cat([x[a:b] for a, b in runs])
 
 
+@dataclass
+class _SamplePlan:
+    """Who samples after the step's forward pass, known before it."""
+
+    rows: list[tuple[Sequence, list[torch.Generator]]]
+    """Per logits row: the sequence and its generators (one, or one per fork of a prompt)."""
+    sampling: SamplingRows
+    """The sampler's rows, one per generator, in order."""
+
+
 class Engine:
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -81,11 +95,13 @@ class Engine:
         self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger,
                                              pin_memory=device.type == "cuda")
                      if host_bytes else None)
-        self._parked: dict[int, tuple[list[int], list[list[int]]]] = {}  # paused seq -> host pages, over a sleep
-        prefix = PrefixCache(self.pool, config.prefix_cache, self.host) if config.prefix_cache is not None else None
+        copies = PageCopies(self.pool, self.host)
+        host_tier = HostTier(self.pool, self.host, copies) if self.host is not None else None
+        prefix = (PrefixCache(self.pool, config.prefix_cache, copies, host_tier)
+                  if config.prefix_cache is not None else None)
         self.evictor = (KVEvictor(config.kv_budget, self.pool, model, ledger=ledger)
                         if config.kv_budget is not None else None)
-        self.cache = CacheManager(self.pool, prefix, self.evictor)
+        self.cache = CacheManager(self.pool, prefix, self.evictor, host_tier)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
@@ -204,66 +220,88 @@ class Engine:
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
                 "pool_utilization": self.pool.num_used / self.pool.num_pages, "peak_pages_used": self.peak_pages_used,
                 "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version,
-                **({f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {})}
+                **self.cache.stats()}
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the requests that finished during it."""
         if self.pool.is_released:
             raise RuntimeError("engine is asleep: call wake() before step()")
-        scheduled = self.scheduler.schedule()
-        self.num_computed_tokens += scheduled.num_tokens
+        scheduled = self._schedule()
         finished: list[RequestOutput] = []
-        if self.cache.prefix is not None:
-            self.cache.prefix.flush()  # this step's page copies, right before the forward pass
         if scheduled.seqs:
-            # The sampler's rows are known before the forward: a sequence that reaches its last
-            # token samples once, a prompt with n forks once per fork (from the forks' own
-            # generators, made now). Their settings and draws ride in the step's metadata copy.
-            sampling = sampling_indices(scheduled)
-            plan = [(scheduled.seqs[i], self._fork_generators(scheduled.seqs[i]) if scheduled.seqs[i].num_forks
-                     else [scheduled.seqs[i].generator]) for i in sampling]
-            row_params = [seq.params for seq, gens in plan for _ in gens]
-            rows_plan = SamplingRows.plan(row_params, [g for _, gens in plan for g in gens], self.model.config.vocab_size)
-            _, logits, settings = self.runner.run(scheduled, rows_plan)  # draws written into its metadata copy
-            if self.cache.prefix is not None:  # index what this pass computed, before anything finishes
-                for seq in scheduled.seqs:
-                    self.cache.prefix.register(seq)
-            self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
-            seqs: list[Sequence] = []
-            rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
-            kept: list[int] = []  # row of the sampler's plan each entry of seqs uses
-            for row, (seq, gens) in enumerate(plan):
-                first = sum(len(g) for _, g in plan[:row])
-                children = self._fork(seq, gens) if seq.num_forks else [seq]
-                if not children:  # the forks fell back to recompute: they sample later, from a fresh generator
-                    for gen in gens:
-                        gen.manual_seed(gen.initial_seed())
-                seqs += children
-                rows += [row] * len(children)
-                kept += list(range(first, first + len(children)))
-            if seqs:
-                if len(rows) != logits.shape[0]:
-                    # Forks repeat their parent's row (rows ascend): sliced, as an index tensor
-                    # would be one more host-to-device copy.
-                    logits = torch.cat([logits[r:r + 1].expand(len(list(run)), -1)
-                                        for r, run in itertools.groupby(rows)])
-                if len(kept) != len(row_params):  # some forks sample later: drop their rows
-                    settings = None if settings is None else _select_runs(settings, kept)
-                    rows_plan = rows_plan.select(kept)
-                tokens, logprobs = sample_rows(logits, rows_plan, settings if rows_plan.num_stochastic else None)
-                for seq, token, logprob in zip(seqs, tokens, logprobs):
-                    self._append(seq, token, logprob)
-            done = {s.request_id for s in seqs if s.status is SeqStatus.FINISHED}
-            finished = [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
+            plan = self._prepare(scheduled)
+            logits, settings = self._run(scheduled, plan)
+            finished = self._postprocess(self._sample(plan, logits, settings))
         self.num_steps += 1
-        if self.cache.prefix is not None and not self.scheduler.has_work:
-            self.cache.prefix.flush()  # idle: nothing may stay half-copied
+        if not self.scheduler.has_work:
+            self.cache.idle()
         if self.config.check_every_step:
             self.check_integrity()
         for out in finished:
             del self.requests[out.request_id]
         return finished
+
+    def _schedule(self) -> ScheduledStep:
+        """Pick the step's sequences and chunks; the cache runs the copies they wait on."""
+        scheduled = self.scheduler.schedule()
+        self.num_computed_tokens += scheduled.num_tokens
+        self.cache.before_forward()  # this step's page copies, right before the forward pass
+        return scheduled
+
+    def _prepare(self, scheduled: ScheduledStep) -> _SamplePlan:
+        """The sampler's rows, known before the forward: a sequence that reaches its last token
+        samples once, a prompt with n forks once per fork (from the forks' own generators, made
+        now). Their settings and draws ride in the step's metadata copy."""
+        rows = [(scheduled.seqs[i], self._fork_generators(scheduled.seqs[i]) if scheduled.seqs[i].num_forks
+                 else [scheduled.seqs[i].generator]) for i in sampling_indices(scheduled)]
+        params = [seq.params for seq, gens in rows for _ in gens]
+        return _SamplePlan(rows, SamplingRows.plan(params, [g for _, gens in rows for g in gens],
+                                                   self.model.config.vocab_size))
+
+    def _run(self, scheduled: ScheduledStep, plan: _SamplePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass: returns the sampling rows' logits and the sampler's settings on the device."""
+        _, logits, settings = self.runner.run(scheduled, plan.sampling)  # draws written into its metadata copy
+        self.cache.after_forward(scheduled.seqs)  # index what this pass computed, before anything finishes
+        self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
+        return logits, settings
+
+    def _sample(self, plan: _SamplePlan, logits: torch.Tensor, settings: torch.Tensor | None
+                ) -> list[tuple[Sequence, int, float]]:
+        """Fork the prompts that finished prefilling, then draw one token per sampling sequence:
+        (sequence, token, logprob), in plan order."""
+        seqs: list[Sequence] = []
+        rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
+        kept: list[int] = []  # row of the sampler's plan each entry of seqs uses
+        first = 0  # the plan row of the first generator of each entry of plan.rows
+        for row, (seq, gens) in enumerate(plan.rows):
+            children = self._fork(seq, gens) if seq.num_forks else [seq]
+            if not children:  # the forks fell back to recompute: they sample later, from a fresh generator
+                for gen in gens:
+                    gen.manual_seed(gen.initial_seed())
+            seqs += children
+            rows += [row] * len(children)
+            kept += list(range(first, first + len(children)))
+            first += len(gens)
+        if not seqs:
+            return []
+        rows_plan = plan.sampling
+        if len(rows) != logits.shape[0]:
+            # Forks repeat their parent's row (rows ascend): sliced, as an index tensor would be one
+            # more host-to-device copy.
+            logits = torch.cat([logits[r:r + 1].expand(len(list(run)), -1) for r, run in itertools.groupby(rows)])
+        if len(kept) != first:  # some forks sample later: drop their rows
+            settings = None if settings is None else _select_runs(settings, kept)
+            rows_plan = rows_plan.select(kept)
+        tokens, logprobs = sample_rows(logits, rows_plan, settings if rows_plan.num_stochastic else None)
+        return list(zip(seqs, tokens, logprobs))
+
+    def _postprocess(self, samples: list[tuple[Sequence, int, float]]) -> list[RequestOutput]:
+        """Append the sampled tokens (finishing sequences that stop); returns the finished requests."""
+        for seq, token, logprob in samples:
+            self._append(seq, token, logprob)
+        done = {seq.request_id for seq, _, _ in samples if seq.status is SeqStatus.FINISHED}
+        return [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
 
     @staticmethod
     def _fork_generators(parent: Sequence) -> list[torch.Generator]:
@@ -284,14 +322,7 @@ class Engine:
             self.cache.reset(parent)
             for child in children:
                 child.num_computed = 0
-        for child in children:
-            child.status, child.admitted_at = parent.status, parent.admitted_at
-        index = self.scheduler.running.index(parent)
-        self.scheduler.running[index:index + 1] = [c for c in children if c.holds_pages]
-        for child in children:
-            if not child.holds_pages:
-                self.scheduler.add(child)
-        parent.num_forks, parent.status = 0, SeqStatus.FINISHED
+        self.scheduler.fork(parent, children)
         request.seqs = children
         return [c for c in children if c.holds_pages]
 
@@ -330,63 +361,21 @@ class Engine:
         wake(). With a host pool, paused sequences' pages are parked there and restored by wake()
         (bit for bit), and the prefix cache writes its turn-boundary entries back; the rest of the
         device tier is dropped."""
-        if self.cache.prefix is not None:
-            self.cache.prefix.flush()
-        if self.host is not None:
-            self._park_paused()
+        self.cache.park(self.scheduler.paused)
         self.scheduler.preempt_all()
-        if self.cache.prefix is not None:
-            self.cache.prefix.sleep()
-        self.pool.release()
+        self.cache.sleep()
         self.runner.invalidate_views()
         self.drop_weight_copies()  # the CPU fused projections are rebuilt at the next step: no copy while asleep
 
     def wake(self) -> None:
-        self.pool.reacquire()
+        self.cache.wake(self.scheduler.paused)
         self.runner.invalidate_views()
-        if self._parked:
-            self._unpark()
 
-    def _park_paused(self) -> None:
-        """Copy every paused sequence's pages to the host pool (a page shared by forks once) and
-        drop their device references; a sequence the host pool cannot take is recomputed later."""
-        host, pool = self.host, self.pool
-        slot_of: dict[int, int] = {}
-        for seq in [s for s in self.scheduler.paused if s.holds_pages]:
-            pages = seq.kda_pages + [p for group in seq.mla_pages for p in group]
-            new = list(dict.fromkeys(p for p in pages if p not in slot_of))
-            if len(new) > host.num_free and self.cache.prefix is not None:
-                self.cache.prefix.make_host_room(len(new))  # parked work before cached prefixes
-            if len(new) > host.num_free:
-                continue  # preempt_all() frees it: recomputed after resume
-            slots = [host.allocate(1, pool.group_of_page(p))[0] for p in new]
-            host.store(slots, pool, new)
-            slot_of.update(zip(new, slots))
-            self._parked[seq.seq_id] = ([slot_of[p] for p in seq.kda_pages],
-                                        [[slot_of[p] for p in group] for group in seq.mla_pages])
-            self.cache.free(seq)
-
-    def _unpark(self) -> None:
-        host, pool = self.host, self.pool
-        seqs = {s.seq_id: s for s in self.scheduler.paused}
-        page_of: dict[int, int] = {}  # host page -> its restored device page
-        for seq_id, (kda, mla) in self._parked.items():
-            seq = seqs.get(seq_id)
-            if seq is None or seq.holds_pages:  # aborted meanwhile
-                continue
-            slots = list(dict.fromkeys(kda + [s for group in mla for s in group]))
-            new = [s for s in slots if s not in page_of]
-            if len(new) > pool.num_free:
-                self.cache.reset(seq)  # no room: recomputed after resume
-                continue
-            fresh = [pool.allocate(1, host.tag(s))[0] for s in new]
-            host.load(new, pool, fresh)
-            pool.incref([page_of[s] for s in slots if s not in new])  # shared with an earlier fork
-            page_of.update(zip(new, fresh))
-            seq.kda_pages = [page_of[s] for s in kda]
-            seq.mla_pages = [[page_of[s] for s in group] for group in mla]
-        host.free(sorted({s for kda, mla in self._parked.values() for s in kda + [x for g in mla for x in g]}))
-        self._parked.clear()
+    @property
+    def _parked(self) -> dict[int, tuple[list[int], list[list[int]]]]:
+        """Paused seq_id -> its host pages over a sleep; read by rl/orchestrator.py until it reads
+        `cache.num_parked_pages`."""
+        return self.cache.host_tier.parked if self.cache.host_tier is not None else {}
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy external policy weights into the engine's model (our parameter names, strict) and tag
@@ -405,10 +394,7 @@ class Engine:
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
         self.policy_version = version
-        if self.evictor is not None and self.evictor.predictor is not None:
-            self.evictor.predictor.calibrate(self.model)  # the partial keys follow the weights
-        if self.cache.prefix is not None:
-            self.cache.prefix.set_version(version)  # old prefixes were computed by other weights
+        self.cache.set_version(version)
 
     def drop_weight_copies(self) -> int:
         """Drop the fused projection copies (rebuilt at the next step); returns their bytes."""

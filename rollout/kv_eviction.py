@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -109,7 +109,7 @@ class KVEvictor:
 
     def __init__(self, config: KVBudgetConfig, pool: PagePool, model: HybridLM,
                  ledger: HostLedger | None = None) -> None:
-        self.config, self.pool, self.layout = config, pool, pool.layout
+        self.config, self.pool, self.layout, self.model = config, pool, pool.layout, model
         self.policy = lookup_policy(config.policy)
         self.mla_layers = list(model.config.mla_layers)
         self.latent_dim = model.config.mla_latent_dim
@@ -127,6 +127,11 @@ class KVEvictor:
         """Largest device bytes beyond the pool at once: partial keys + rows fetched for a step."""
         self._partial_bytes = 0
         self._warned_full = False
+
+    def weights_updated(self) -> None:
+        """The model's weights changed in place: InfiniGen's partial keys are refitted to them."""
+        if self.predictor is not None:
+            self.predictor.calibrate(self.model)
 
     # ---- bookkeeping ----
     def state(self, seq: Sequence) -> SeqKV:

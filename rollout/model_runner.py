@@ -69,19 +69,17 @@ class ModelRunner:
         rows_key = None if every_row else meta.add(offsets[i] + step.num_new_tokens[i] - 1 for i in sampling)
         state_pages, tables = self.cache.state_pages(seqs), self.cache.block_tables(seqs)
         cfg = self.model.config
-        evictor = self.cache.evictor
-        observer = evictor.begin_step(seqs, list(step.num_new_tokens)) if evictor is not None else None
+        observer = self.cache.observer(seqs, list(step.num_new_tokens))  # None without a KV budget
         paged = PagedStep(batch=batch,
                           state_pages={i: state_pages[self.layout.group_of(i)[1]] for i in cfg.kda_layers},
                           block_tables={i: tables[self.layout.group_of(i)[1]] for i in cfg.mla_layers},
                           impl=self.impl, check=False,
-                          kv_starts=[s.kv_len for s in seqs] if evictor is not None else None, kv_observer=observer)
+                          kv_starts=[s.kv_len for s in seqs] if observer is not None else None, kv_observer=observer)
         mixer = PagedMixer(self.views, paged, meta)  # moves `meta` to the device
         hidden = self.model.run_layers(meta[token_key], mixer)  # [N, D]
         last = hidden if rows_key is None else hidden.index_select(0, meta[rows_key])  # [num_sampling, D]
         logits = F.linear(last, self.model.output_weight).float()
         for s, n in zip(seqs, step.num_new_tokens):
             s.num_computed += n
-        if observer is not None:
-            evictor.end_step(observer)
+        self.cache.observed(observer)
         return sampling, logits, None if settings_key is None else meta.floats(settings_key)

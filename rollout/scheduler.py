@@ -67,10 +67,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            want = self._chunk(seq, budget)
+            want = self.cache.chunk(seq, budget)
             if want == 0:
                 break
-            while not (self.cache.make_room(seq, want) and self.cache.ensure_capacity(seq, seq.kv_len + want)):
+            while not self.cache.grow(seq, want):
                 victim = self._pick_victim(exclude=step.seqs)
                 self._preempt(victim, step)
                 if victim is seq:
@@ -83,11 +83,11 @@ class Scheduler:
             held_back = []  # waiting on a pending cache copy: admitted next step, the others go on
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if self.cache.prefix is not None and self.cache.prefix.attach(seq) is None:
-                    held_back.append(self.waiting.popleft())  # start after the longest cached prefix
+                if not self.cache.admit(seq):
+                    held_back.append(self.waiting.popleft())  # its cached prefix lands next step
                     continue
-                want = self._chunk(seq, budget)
-                if not (self.cache.make_room(seq, want) and self.cache.ensure_capacity(seq, seq.kv_len + want)):
+                want = self.cache.chunk(seq, budget)
+                if not self.cache.grow(seq, want):
                     if seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
                         self.cache.reset(seq)
                     break
@@ -100,21 +100,6 @@ class Scheduler:
                 budget -= want
             self.waiting.extendleft(reversed(held_back))
         return step
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` computes this step. With a prefix cache, a prefill chunk that crosses a
-        hash-block boundary ends on the last one it crosses (or earlier, on the one under a turn
-        boundary), so the KDA state after the chunk is a checkpoint the cache can keep."""
-        want = min(seq.num_uncomputed, budget, self.cache.max_chunk or budget)
-        if self.cache.prefix is not None and want > 1:
-            hb, start = self.cache.prefix.config.hash_block, seq.num_computed
-            # Also stop at the hash boundary under a conversation-turn boundary: that checkpoint is
-            # the one later turns (and other sessions sharing the prompt) will hit.
-            stops = [p // hb * hb for p in seq.turn_boundaries] + [(start + want) // hb * hb]
-            inside = [b for b in stops if start < b < start + want]
-            if inside:
-                want = min(inside) - start
-        return want
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         """The most recently admitted running sequence not already scheduled; else a paused one
@@ -140,15 +125,26 @@ class Scheduler:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its pages, wherever it is queued."""
-        self.cache.reset(seq)
-        if self.cache.prefix is not None:
-            self.cache.prefix.forget(seq)
+        self.cache.finish(seq)
         for queue in (self.running, self.paused):
             if seq in queue:
                 queue.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """A prefilled prompt split into its samples: the children holding pages take the parent's
+        place among the running (in order, with its admission), the others queue to recompute it;
+        the parent is finished."""
+        for child in children:
+            child.status, child.admitted_at = parent.status, parent.admitted_at
+        index = self.running.index(parent)
+        self.running[index:index + 1] = [c for c in children if c.holds_pages]
+        for child in children:
+            if not child.holds_pages:
+                self.add(child)
+        parent.num_forks, parent.status = 0, SeqStatus.FINISHED
 
     def pause(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:

@@ -12,6 +12,7 @@ from memory.host_pool import HostPagePool
 from memory.layout import CacheLayout
 from memory.page_pool import PagePool
 from rollout.engine import Engine, EngineConfig
+from rollout.page_loc import Loc
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.test_prefix_cache import HB, make_verifier, run, uncached
@@ -65,11 +66,9 @@ def test_host_pool_leases_its_bytes_from_the_ledger(tiny_model):
 
 def identity(engine, location):
     """What an index location holds, independent of where: (its MLA keys, its checkpoint's key, group)."""
-    cache = engine.cache.prefix
-    group = (engine.pool.group_of_page(location) if location < cache.num_device
-             else engine.host.tag(location - cache.num_device))
-    return (tuple(sorted(cache.index._keys_of_page.get(location, ()))), cache.index._kda_key_of_page.get(location),
-            group)
+    index = engine.cache.prefix.index
+    group = engine.pool.group_of_page(location.page) if location.on_device else engine.host.tag(location.page)
+    return tuple(sorted(index.keys_of(location))), index.checkpoint_of(location), group
 
 
 def _cached_then_evicted(model, mode="write_back"):
@@ -79,9 +78,9 @@ def _cached_then_evicted(model, mode="write_back"):
     a = [rng.randrange(256) for _ in range(100)]
     engine.generate([a], GREEDY)
     cache = engine.cache.prefix
-    before = {identity(engine, loc): engine.pool.read_pages([loc])[0].clone() for loc in cache.lru}
+    before = {identity(engine, Loc.device(p)): engine.pool.read_pages([p])[0].clone() for p in cache.lru}
     cache.evict(engine.pool.num_pages)
-    assert not cache.lru and engine.pool.num_used == 0 and len(cache.host_lru) == len(before)
+    assert not cache.lru and engine.pool.num_used == 0 and len(cache.host_tier.lru) == len(before)
     return engine, a, rng, before
 
 
@@ -89,15 +88,15 @@ def test_offload_then_prefetch_is_bit_identical_and_decodes_exactly(tiny_model):
     engine, a, rng, before = _cached_then_evicted(tiny_model)
     cache = engine.cache.prefix
     assert len(before) == 5  # two MLA pages + the last checkpoint in 3 KDA groups
-    for loc in cache.host_lru:  # on the host: the same bytes, under the same keys
-        assert torch.equal(engine.host.page_bytes_view(loc - cache.num_device), before[identity(engine, loc)])
+    for slot in cache.host_tier.lru:  # on the host: the same bytes, under the same keys
+        assert torch.equal(engine.host.page_bytes_view(slot), before[identity(engine, Loc.host(slot))])
     b = a + [rng.randrange(256) for _ in range(20)]
     (out,) = engine.generate([b], GREEDY)
     assert cache.pages_prefetched == 5 and cache.hit_tokens == 96
-    restored = [loc for loc in cache.lru if identity(engine, loc) in before]
+    restored = [p for p in cache.lru if identity(engine, Loc.device(p)) in before]
     assert len(restored) == 5
-    for loc in restored:  # back on the device: the same bytes again
-        assert torch.equal(engine.pool.read_pages([loc])[0], before[identity(engine, loc)])
+    for p in restored:  # back on the device: the same bytes again
+        assert torch.equal(engine.pool.read_pages([p])[0], before[identity(engine, Loc.device(p))])
     (expected,) = uncached(tiny_model).generate([b], GREEDY)
     assert out.samples[0].tokens == expected.samples[0].tokens
     assert torch.allclose(torch.tensor(out.samples[0].logprobs), torch.tensor(expected.samples[0].logprobs),
@@ -183,4 +182,4 @@ def test_sleep_parks_paused_sequences_on_the_host_and_wake_restores_them(tiny_mo
     parked, engine = generate(True)
     assert [s.tokens for s in parked.samples] == [s.tokens for s in plain.samples]
     assert [s.logprobs for s in parked.samples] == [s.logprobs for s in plain.samples]  # bit for bit
-    assert engine.host.num_used == 0 or engine.cache.prefix.host_lru
+    assert engine.host.num_used == 0 or engine.cache.prefix.host_tier.lru

@@ -76,10 +76,9 @@ def reference(model, tokens):
 def page_at(engine, location):
     """(pool, page) to read an index location through typed views: a device page in place, a host
     page through a one-page scratch pool holding a copy of its bytes."""
-    cache = engine.cache.prefix
-    if location < cache.num_device:
-        return engine.pool, location
-    slot = location - cache.num_device
+    if location.on_device:
+        return engine.pool, location.page
+    slot = location.page
     scratch = PagePool(engine.layout, 1)
     scratch.allocate(1, engine.host.tag(slot))
     scratch.write_pages([0], engine.host.page_bytes_view(slot).unsqueeze(0))
@@ -111,7 +110,7 @@ def make_verifier(model, finals):
                     want = mla[layer][block * bt:i * HB]
                     assert ((got - want).norm() / want.norm()).item() <= 1e-5, (h.hex()[:8], layer, pages, i, end)
             checked["mla"] += 1
-            checked["host"] += pages[0] >= cache.num_device
+            checked["host"] += not pages[0].on_device
         pending = cache.pending_destinations()  # copies not run yet: unmatchable until they are (rule 2)
         for h, slot in cache.index.kda.items():
             if pending.intersection(slot.values()):
@@ -129,7 +128,7 @@ def make_verifier(model, finals):
                     assert ((got.recurrent - want.recurrent).norm() / want.recurrent.norm()).item() <= 1e-5
                     assert ((got.conv_tail - want.conv_tail).norm() / want.conv_tail.norm()).item() <= 1e-5
             checked["kda"] += 1
-            checked["host"] += min(slot.values()) >= cache.num_device
+            checked["host"] += all(not loc.on_device for loc in slot.values())
 
     return verify, checked
 

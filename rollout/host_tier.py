@@ -1,0 +1,180 @@
+"""The host tier: host memory (memory/host_pool.py) as the second home of KV pages.
+
+One implementation of moving pages between the device pool and host pages (*slots*), for both users:
+- the prefix cache (rollout/prefix_cache.py): `write_back` of a bundle it evicts, `prefetch`
+  before a hit on the host, `mirror` (write-through) copies; its host entries are `lru`;
+- the engine's sleep/wake: `park` paused sequences' pages before the device pool goes, `unpark`
+  them after it is back (bit for bit; a page shared by forks is stored once).
+Room is made the same way for both (`room`): clean mirrors first, then the least recently used
+cached entries (the prefix cache drops them through `evict_entry`), never one being prefetched.
+A device page with a `mirrors` entry has a clean copy on the host: evicting it again costs no copy.
+Prefetch and write-through copies join the step's `PageCopies` (run right before the forward
+pass). Slots of cached entries, mirrors and
+parked sequences are distinct and allocated (`check_integrity`).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from memory.host_pool import HostPagePool
+from memory.page_pool import PagePool
+from rollout.page_copies import PageCopies
+from rollout.request import Sequence
+
+
+class HostTier:
+    def __init__(self, pool: PagePool, host: HostPagePool, copies: PageCopies) -> None:
+        self.pool, self.host, self.copies = pool, host, copies
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        """Slots the prefix index reads (its host entries), least recently used first."""
+        self.mirrors: dict[int, int] = {}
+        """Device page (a prefix-cache entry) -> slot holding the same bytes."""
+        self.pinned: set[int] = set()
+        """Slots being prefetched: `room` never drops them meanwhile."""
+        self.evict_entry: Callable[[int], None] | None = None
+        """Drops the cached entry reading a slot (with its bundle); set by the prefix cache."""
+        self.parked: dict[int, tuple[list[int], list[list[int]]]] = {}
+        """Paused seq_id -> the slots of its (KDA pages, MLA pages per group), over a sleep."""
+        self.pages_written_back = 0
+        self.pages_prefetched = 0
+
+    # ---- the one copy path -----------------------------------------------------------------------------
+    def room(self, num: int, keep: Iterable[int] = ()) -> bool:
+        """Make `num` slots free: mirrors first (but those of device pages in `keep` or with a copy
+        in flight), then the least recently used cached entries. False if impossible."""
+        host = self.host
+        keep = set(keep) | self.copies.host_bound()
+        for page in [p for p in self.mirrors if p not in keep]:
+            if host.num_free >= num:
+                break
+            host.free([self.mirrors.pop(page)])
+        for slot in list(self.lru):
+            if host.num_free >= num:
+                break
+            if slot in self.lru:
+                self.evict_entry(slot)
+        return host.num_free >= num
+
+    def _store(self, pages: list[int], keep: Iterable[int] = ()) -> list[int] | None:
+        """Copy device `pages` into fresh slots now (one per page, tagged with its group); None
+        (nothing changed) if the host cannot make room."""
+        if not self.room(len(pages), keep):
+            return None
+        slots = [self.host.allocate(1, self.pool.group_of_page(p))[0] for p in pages]
+        self.host.store(slots, self.pool, pages)
+        return slots
+
+    def _device_pages(self, slots: list[int]) -> list[int]:
+        """Fresh device pages for `slots` (same groups); the caller checked the pool has room."""
+        return [self.pool.allocate(1, self.host.tag(s))[0] for s in slots]
+
+    # ---- the prefix cache's entries ------------------------------------------------------------------
+    def write_back(self, pages: list[int]) -> list[int] | None:
+        """Move device `pages` (one bundle) to slots, copying only those without a mirror; returns
+        each page's slot, now a cached entry, or None (nothing changed) if the host cannot take
+        them. The caller relocates its keys and drops its device references."""
+        copy = [p for p in pages if p not in self.mirrors]
+        slots = self._store(copy, keep=pages)
+        if slots is None:
+            return None
+        self.mirrors.update(zip(copy, slots))
+        out = [self.mirrors.pop(p) for p in pages]
+        self.lru.update((s, None) for s in out)
+        self.pages_written_back += len(copy)
+        return out
+
+    def prefetch(self, slots: list[int]) -> list[int]:
+        """Queue copies of cached `slots` into fresh device pages (`PageCopies.load`); the slots stay
+        as their mirrors. Returns the device pages; the caller made room for them and re-keys its
+        entries."""
+        dev = self._device_pages(slots)
+        for slot, page in zip(slots, dev):
+            self.lru.pop(slot)
+            self.mirrors[page] = slot  # the host copy stays, clean: evicting it again costs no copy
+        self.copies.load(slots, dev)
+        self.pages_prefetched += len(dev)
+        return dev
+
+    def mirror(self, pages: list[int]) -> None:
+        """Write-through: queue a copy of each device page to its mirror (allocated on first use)."""
+        for p in pages:
+            if p not in self.mirrors:
+                if not self.room(1):
+                    continue
+                self.mirrors[p] = self.host.allocate(1, self.pool.group_of_page(p))[0]
+            self.copies.store(p, self.mirrors[p])
+
+    def drop(self, slots: list[int], device_pages: list[int]) -> None:
+        """Forget cached `slots` and the mirrors of `device_pages` (entries going for good)."""
+        freed = [s for s in slots if self.lru.pop(s, 0) is None]
+        freed += [self.mirrors.pop(p) for p in device_pages if p in self.mirrors]
+        if freed:
+            self.host.free(freed)
+
+    def clear(self) -> None:
+        """Forget every cached entry and mirror (parked sequences stay)."""
+        self.host.free(list(self.lru) + list(self.mirrors.values()))
+        self.lru.clear()
+        self.mirrors.clear()
+
+    # ---- paused sequences over a sleep -----------------------------------------------------------------
+    def park(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Copy the pages of every sequence in `seqs` that holds some to slots (a page shared by
+        forks once), before cached entries. Returns the sequences parked, whose device references
+        the caller drops; one the host cannot take is not parked."""
+        slot_of: dict[int, int] = {}
+        parked = []
+        for seq in [s for s in seqs if s.holds_pages]:
+            pages = seq.kda_pages + [p for group in seq.mla_pages for p in group]
+            new = list(dict.fromkeys(p for p in pages if p not in slot_of))
+            slots = self._store(new)
+            if slots is None:
+                continue
+            slot_of.update(zip(new, slots))
+            self.parked[seq.seq_id] = ([slot_of[p] for p in seq.kda_pages],
+                                       [[slot_of[p] for p in group] for group in seq.mla_pages])
+            parked.append(seq)
+        return parked
+
+    def unpark(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Give each parked sequence of `seqs` (page-less) fresh device pages holding its parked
+        bytes, pages shared by forks shared again; free every parked slot. Returns the parked
+        sequences the device pool had no room for (the caller resets them: recomputed)."""
+        if not self.parked:
+            return []
+        by_id = {s.seq_id: s for s in seqs}
+        page_of: dict[int, int] = {}  # slot -> its restored device page
+        lost = []
+        for seq_id, (kda, mla) in self.parked.items():
+            seq = by_id.get(seq_id)
+            if seq is None or seq.holds_pages:  # aborted meanwhile
+                continue
+            slots = list(dict.fromkeys(kda + [s for group in mla for s in group]))
+            new = [s for s in slots if s not in page_of]
+            if len(new) > self.pool.num_free:
+                lost.append(seq)
+                continue
+            fresh = self._device_pages(new)
+            self.host.load(new, self.pool, fresh)
+            self.pool.incref([page_of[s] for s in slots if s not in new])  # shared with an earlier fork
+            page_of.update(zip(new, fresh))
+            seq.kda_pages = [page_of[s] for s in kda]
+            seq.mla_pages = [[page_of[s] for s in group] for group in mla]
+        self.host.free(sorted(self._parked_slots()))
+        self.parked.clear()
+        return lost
+
+    def _parked_slots(self) -> set[int]:
+        return {s for kda, mla in self.parked.values() for s in kda + [x for group in mla for x in group]}
+
+    @property
+    def num_parked_pages(self) -> int:
+        """Slots holding parked sequences' pages."""
+        return len(self._parked_slots())
+
+    def check_integrity(self) -> None:
+        """Cached entries, mirrors and parked pages hold distinct allocated slots."""
+        slots = list(self.lru) + list(self.mirrors.values()) + sorted(self._parked_slots())
+        if len(set(slots)) != len(slots) or any(self.host.tag(s) is None for s in slots):
+            raise AssertionError("host slots of cached entries, mirrors and parked sequences overlap or are free")
