@@ -5,7 +5,7 @@ bf16, one engine generate and one train step each, in the same run.
 
 Per dtype, the parts come from `rl.train.build` (the policy drawn in FP32 from the run's seed and
 cast to `experiment.dtype`, the engine on the policy's own tensors, the trainer with FP32 gradient
-slots and host AdamW), with `rollout.max_model_len=256`, `trainer.num_chunks=--chunks`,
+slots and host AdamW), with `engine.max_model_len=256`, `trainer.num_chunks=--chunks`,
 `trainer.chunk_split=--chunk-split`, no KL reference. Measured:
 - (a) device bytes, the peak over the iteration's phases: the policy's weights + the engine's
   weight storage not shared with the policy + the trainer's gradient slots (FP32 in both dtypes,
@@ -47,7 +47,7 @@ import torch
 from benchmarks.moe import measure as measure_moe
 from benchmarks.train_step import SavedTensorMeter
 from models.config import ModelConfig, load_model_config
-from rl.config import RunConfig, register_configs, to_run_config
+from rl.config import RunConfig, compose_run_config
 from rl.orchestrator import LoopParts
 from rl.plan_config import ClusterConfig, PlanOptions
 from rl.plan_model import plan_sizes
@@ -64,17 +64,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) -> RunConfig:
     """The composed RL config of one side (`model`: a configs/model/ name; `dtype`: "fp32" | "bf16")."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
     overrides = [f"model={model}", f"experiment.dtype={dtype}", f"run_dir={run_dir}", "tracking.wandb_mode=disabled",
-                 "tracking.progress=false", f"rollout.max_model_len={MAX_MODEL_LEN}", "rollout.max_num_batched_tokens=4096",
-                 f"memory.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}",
+                 "tracking.progress=false", f"engine.max_model_len={MAX_MODEL_LEN}", "engine.max_num_batched_tokens=4096",
+                 f"engine.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}",
                  f"trainer.chunk_split={args.chunk_split}", "algo.loss.kl_coef=0",
                  # the planner's train batch (groups x group_size sequences) is then the one measured here
                  "rollout.groups_per_iteration=1", f"algo.group_size={args.train_seqs}"]
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose("config", overrides=overrides))
+    return compose_run_config(overrides)
 
 
 # ---- measurements ------------------------------------------------------------------------------------
@@ -86,7 +82,7 @@ class DtypeFigures:
     pool_bytes: int
     """The pool pages the generate used at peak."""
     pool_allocated_bytes: int
-    """The whole pool (memory.pool_mb worth of pages)."""
+    """The whole pool (engine.pool_mb worth of pages)."""
     fused_bytes: int
     """CPU-only fused projection copies held while generating (not in device_bytes)."""
     engine_s: float

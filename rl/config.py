@@ -9,7 +9,12 @@ expected. `experiment=cpu_demo` (the default) is a `# @package _global_` file ov
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import json
+import re
+import warnings
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +24,13 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
+from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
-from rollout.kv_eviction import KVBudgetConfig, lookup_policy
-from rollout.sampling import SamplingParams
-from trainer.chunks import CHUNK_SPLITS
+from rollout.engine_config import EngineConfig
+from rollout.kv_eviction import KVBudgetConfig
+from rollout.prefix_config import PrefixCacheConfig
 from trainer.losses import LossConfig
-from trainer.optimizer import OptimizerConfig
+from trainer.step import TrainerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,135 +60,16 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    groups_per_iteration: int = 16
-    """New prompt groups started each iteration (each of algo.group_size trajectories), over all ranks
-    together: rank r generates the groups g with g % world == r."""
-    max_new_tokens: int = 4
-    """Tokens per policy turn at most."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_concurrency: Any = "auto"
-    """Requests in flight per rank (each rank's engine): "auto" (the dispatcher's auto-throttling) or a
-    positive integer."""
-    budget_tokens: int | None = None
-    """Partial rollouts: generated tokens per iteration, over all ranks (each rank stops at its share,
-    ceil(budget_tokens / world)), after which unfinished trajectories are paused and carried over;
-    None = no token budget."""
-    budget_seconds: float | None = None
-    """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
-    time budget."""
-    env_timeout_s: float | None = 60.0
-    """Seconds each environment call (reset, step, reward) may take before its trajectory is
-    dropped (reason "timeout"); null = no limit."""
-    max_drop_fraction: float = 0.5
-    """Circuit breaker: the run stops with an error when more than this share of an iteration's
-    trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
-    partial_resume: str = "recompute"
-    """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
-    weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so it
-    needs memory.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
-    max_model_len: int = 256
-    """Longest sequence the engine runs, prompt + generated (every turn of a conversation counts): a
-    longer prompt is refused and its trajectory dropped (counted as rollout_dropped_too_long).
-    memory.pool_mb must hold one sequence of this length (checked at composition; `python -m rl.plan`
-    prints the longest context a pool holds). 64k-128k contexts are this knob and memory.pool_mb."""
-    max_num_batched_tokens: int = 1024
-    """Tokens one engine step computes (decode tokens + prefill chunks): a longer prompt is prefilled
-    in chunks of at most this many tokens over several steps, so it may be below max_model_len."""
-    kernel_impl: str | None = None
-    prefix_hash_block: int | None = None
-    """Prefix cache: tokens per hash block (must divide the pool's page of block_tokens tokens);
-    null = no prefix cache. Reuse holds within an iteration (new weights never hit old prefixes):
-    later turns of a conversation and prompts shared across groups."""
-    kv_budget_tokens: int | None = None
-    """Token eviction for the MLA layers (rollout/kv_eviction.py): MLA cache slots per sequence on the
-    device (4 sink + 32 recent tokens always kept, so > 36); null = full KV."""
-    kda_state_dtype: str = "fp32"
-    """Element type of the engine's KDA state pages, "fp32" or "bf16" (the MLA cache takes
-    experiment.dtype): the recurrent state integrates every token, hence FP32 by default."""
-    kv_policy: str = "h2o"
-    """With kv_budget_tokens: "h2o" (evicted tokens are dropped) or "infinigen" (offloaded to host
-    memory and fetched back when the partial-key predictor says attention returns)."""
-
-    def __post_init__(self) -> None:
-        if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"rollout.groups_per_iteration={self.groups_per_iteration} and rollout.max_new_tokens="
-                             f"{self.max_new_tokens} must be >= 1")
-        if self.max_model_len < 2:
-            raise ValueError(f"rollout.max_model_len={self.max_model_len}, expected >= 2 (one prompt token and one "
-                             f"generated token)")
-        if self.max_new_tokens >= self.max_model_len:
-            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt under "
-                             f"rollout.max_model_len={self.max_model_len}; expected max_new_tokens < max_model_len")
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"rollout.env_timeout_s={self.env_timeout_s}, expected > 0 or null (no limit)")
-        if not 0 <= self.max_drop_fraction <= 1:
-            raise ValueError(f"rollout.max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1 (tokens "
-                             f"per engine step; a longer prompt is prefilled in chunks of this size)")
-        if not (self.max_concurrency == "auto" or (isinstance(self.max_concurrency, int)
-                                                   and not isinstance(self.max_concurrency, bool)
-                                                   and self.max_concurrency >= 1)):
-            raise ValueError(f"rollout.max_concurrency={self.max_concurrency!r}, expected 'auto' or an integer >= 1")
-        if self.budget_tokens is not None and self.budget_tokens < 1:
-            raise ValueError(f"rollout.budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
-        if self.budget_seconds is not None and not self.budget_seconds > 0:
-            raise ValueError(f"rollout.budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
-        try:  # the sampler's own checks, at composition rather than at the first request
-            SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                           top_k=self.top_k)
-        except ValueError as err:
-            raise ValueError(f"rollout.{err}") from None
-        if self.temperature != 1.0:
-            # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
-            raise ValueError(f"rollout.temperature={self.temperature}: only 1.0 is supported for training for now "
-                             f"(the trainer's logprobs are not temperature-scaled yet)")
-        if self.prefix_hash_block is not None and self.prefix_hash_block < 1:
-            raise ValueError(f"rollout.prefix_hash_block={self.prefix_hash_block}, expected >= 1 or null (no cache)")
-        try:
-            parse_dtype(self.kda_state_dtype)
-        except ValueError as err:
-            raise ValueError(f"rollout.kda_state_{err}") from None
-        if self.partial_resume not in ("recompute", "kv"):
-            raise ValueError(f"rollout.partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
-        try:  # the eviction config's own checks, at composition
-            lookup_policy(self.kv_policy)
-            self.kv_budget()
-        except ValueError as err:
-            raise ValueError(f"rollout.{str(err).removeprefix('kv_budget.')}") from None
-
-    def kv_budget(self) -> KVBudgetConfig | None:
-        """The engine's token-eviction config, or None (full KV)."""
-        if self.kv_budget_tokens is None:
-            return None
-        return KVBudgetConfig(budget_tokens=self.kv_budget_tokens, policy=self.kv_policy)
-
-    @property
-    def concurrency(self) -> int | None:
-        return None if self.max_concurrency == "auto" else int(self.max_concurrency)
-
-    @property
-    def longest_kv_tokens(self) -> int:
-        """Tokens of KV one sequence holds at most: max_model_len, capped by kv_budget_tokens."""
-        return min(self.max_model_len, self.kv_budget_tokens or self.max_model_len)
-
-
-@dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    pool_mb: int = 16
-    """Device page pool of the rollout engine, MiB, per rank (each rank's engine has its own)."""
+    """The run's memory phases (rl/orchestrator.py): what is released while training, where the
+    reference and the optimizer's host states live. The engine's pools are `engine.pool_mb` and
+    `engine.host_pool_mb`."""
     release_pool_in_train: bool = True
     """Release the engine's pool while training (colocated: training gets the memory back)."""
     reference: str = "stream"
     """Where the KL reference model's weights live: "stream" (host, copied chunk by chunk into the
     trainer's idle gradient slots for its forward: trainer/ref_stream.py) or "resident" (a whole
     second model on the device)."""
-    host_pool_mb: int = 0
-    """Host KV pool, MiB (leased from the host-DRAM ledger): the prefix cache's second tier, and
-    where paused partial rollouts wait while the device pool is released; per rank; 0 = none."""
     host_budget_mb: int | None = None
     """Host-DRAM ledger budget of one node, MiB, split evenly among the node's ranks; null = MemAvailable
     less a 10% reserve."""
@@ -193,41 +80,10 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if self.spill_dir is not None and not self.spill_dir.strip():
             raise ValueError("memory.spill_dir is empty; give a directory or null (no spill)")
-        if self.pool_mb < 1:
-            raise ValueError(f"memory.pool_mb={self.pool_mb}, expected >= 1")
-        if self.host_pool_mb < 0:
-            raise ValueError(f"memory.host_pool_mb={self.host_pool_mb}, expected >= 0 (0 = no host KV pool)")
         if self.host_budget_mb is not None and self.host_budget_mb < 1:
             raise ValueError(f"memory.host_budget_mb={self.host_budget_mb}, expected >= 1 or null (MemAvailable)")
         if self.reference not in ("stream", "resident"):
             raise ValueError(f"memory.reference={self.reference!r}, expected 'stream' or 'resident'")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainSchema:
-    num_chunks: int = 2
-    chunk_split: str = "layers"
-    """How the model is cut into chunks (trainer/chunks.py CHUNK_SPLITS): "layers" (equal layer
-    counts; num_chunks <= layers) or "params" (the smallest largest chunk, the embedding and the head
-    as units of their own; num_chunks <= layers + 2): the gradient slots are sized for the largest."""
-    num_grad_slots: int = 2
-    max_bad_steps: int = 3
-    micro_batch_tokens: int | None = None
-    """Token budget of one micro-batch; None = the whole batch at once."""
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm (FP32, over every rank's shards) to this; null = no clipping. A
-    step whose norm is not finite is skipped whatever this is (counted against max_bad_steps)."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-
-    def __post_init__(self) -> None:
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"trainer.max_grad_norm={self.max_grad_norm}, expected > 0 or null (no clipping)")
-        if self.num_chunks < 1:
-            raise ValueError(f"trainer.num_chunks={self.num_chunks}, expected >= 1")
-        if self.chunk_split not in CHUNK_SPLITS:
-            raise ValueError(f"trainer.chunk_split={self.chunk_split!r}, expected one of {CHUNK_SPLITS}")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"trainer.micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or null")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,9 +174,12 @@ class RunConfig:
     model: ModelConfig = MISSING
     task: TaskConfig = field(default_factory=TaskConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: DriverConfig = field(default_factory=DriverConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine of each rank; its `seed` and `show_progress` are the run's (rl/train.py's
+    build() sets the run's seed and no progress bar: the tracker shows the rollout's)."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    trainer: TrainSchema = field(default_factory=TrainSchema)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -333,47 +192,171 @@ class RunConfig:
     when there is no checkpoint. A resume may change only rl/train.py's RESUME_MAY_CHANGE keys."""
 
     def __post_init__(self) -> None:
+        """The checks that span groups (each group checked its own values when it was built)."""
         if self.resume not in (False, True, "must"):
             raise ValueError(f"resume={self.resume!r}, expected false, true or must")
-        if (self.rollout.partial_resume == "kv" and self.memory.release_pool_in_train
-                and self.memory.host_pool_mb == 0):
+        r, e = self.rollout, self.engine
+        if e.seed != EngineConfig.seed:
+            raise ValueError(f"engine.seed={e.seed}: an RL run seeds its engine with the run's seed (seed={self.seed}); "
+                             f"set seed instead")
+        if r.max_new_tokens >= e.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt under "
+                             f"engine.max_model_len={e.max_model_len}; expected max_new_tokens < max_model_len")
+        if r.partial_resume == "kv" and self.memory.release_pool_in_train and not self.has_host_pool:
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
                              "memory.release_pool_in_train=true frees the device pool for training and there is no "
-                             "host KV pool to park it in; set memory.host_pool_mb > 0 or release_pool_in_train=false")
+                             "host KV pool to park it in; set engine.host_pool_mb > 0 or release_pool_in_train=false")
         layers, t = self.model.num_hidden_layers, self.trainer
         most = layers + 2 if t.chunk_split == "params" else layers
         if t.num_chunks > most:
             raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
-        layout, r = self.cache_layout, self.rollout
-        pool_pages = (self.memory.pool_mb << 20) // layout.page_bytes  # PagePool.from_bytes
-        needed = layout.sequence_pages(r.longest_kv_tokens)  # the engine's "cannot hold one sequence" check
-        if needed > pool_pages:
-            raise ValueError(
-                f"memory.pool_mb={self.memory.pool_mb} holds {pool_pages} pages of {layout.page_bytes:,} bytes, but "
-                f"one sequence of rollout.max_model_len={r.max_model_len} tokens"
-                + (f" (rollout.kv_budget_tokens={r.kv_budget_tokens} on the device)" if r.kv_budget_tokens else "")
-                + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
-                f"{layout.mla_pages_for(r.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
-                f"memory.pool_mb >= {layout.pool_mb_for(needed)} or lower rollout.max_model_len")
+        self._check_pool()
+
+    @property
+    def has_host_pool(self) -> bool:
+        e = self.engine
+        return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb > 0
+
+    def _check_pool(self) -> None:
+        """The engine's "cannot hold one sequence" check, at composition (the same page formula)."""
+        layout, e = self.cache_layout, self.engine
+        pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
+        needed = layout.sequence_pages(e.longest_kv_tokens)
+        if needed <= pool_pages:
+            return
+        size = (f"engine.num_pages={e.num_pages}" if e.num_pages is not None
+                else f"engine.pool_mb={e.pool_mb} holds {pool_pages} pages")
+        raise ValueError(
+            f"{size} of {layout.page_bytes:,} bytes, but one sequence of engine.max_model_len={e.max_model_len} tokens"
+            + (f" (engine.kv_budget.budget_tokens={e.kv_budget.budget_tokens} on the device)" if e.kv_budget else "")
+            + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
+            f"{layout.mla_pages_for(e.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
+            + (f"engine.num_pages >= {needed}" if e.num_pages is not None
+               else f"engine.pool_mb >= {layout.pool_mb_for(needed)}")
+            + " or lower engine.max_model_len")
 
     @property
     def cache_layout(self) -> CacheLayout:
         """The rollout engine's page geometry (rollout/engine.py builds the same): MLA latents in the
-        run's dtype (the model's output weight, never kept FP32), KDA states in rollout.kda_state_dtype."""
-        return CacheLayout.for_model(self.model, cache_dtype=self.experiment.torch_dtype,
-                                     state_dtype=parse_dtype(self.rollout.kda_state_dtype))
+        run's dtype (the model's output weight, never kept FP32), KDA states in engine.kda_state_dtype."""
+        e = self.engine
+        return CacheLayout.for_model(self.model, group_layers=e.group_layers, block_tokens=e.block_tokens,
+                                     cache_dtype=self.experiment.torch_dtype, state_dtype=parse_dtype(e.kda_state_dtype))
+
+
+# ---- keys renamed when the groups became the components' own configs (accepted for one release) ----
+RENAMED_KEYS = {"memory.pool_mb": "engine.pool_mb", "memory.host_pool_mb": "engine.host_pool_mb",
+                "rollout.max_model_len": "engine.max_model_len",
+                "rollout.max_num_batched_tokens": "engine.max_num_batched_tokens",
+                "rollout.kernel_impl": "engine.kernel_impl", "rollout.kda_state_dtype": "engine.kda_state_dtype"}
+"""Old key -> new key, same value. Three more old keys map to config groups (`upgrade_overrides`):
+rollout.prefix_hash_block, rollout.kv_budget_tokens and rollout.kv_policy; and the value
+rollout.max_concurrency=auto is now null."""
+
+PREFIX_CACHE_MODEL_ID = "policy"
+"""The RL run's prefix-cache salt (configs/prefix_cache/on.yaml sets it)."""
+
+
+class DeprecatedKeyWarning(FutureWarning):
+    """An override used a renamed key; the message names the new one. (A FutureWarning: Python
+    shows it to the user of a command by default, a DeprecationWarning it hides.)"""
+
+
+_OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w.]*)=(.*)$")
+_NULL = ("null", "None", "~", "")
+
+
+def upgrade_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with the renamed keys rewritten (one DeprecatedKeyWarning each, naming
+    the new key): RENAMED_KEYS; rollout.prefix_hash_block=N -> prefix_cache=on
+    engine.prefix_cache.hash_block=N (null: nothing); rollout.kv_budget_tokens=N with
+    rollout.kv_policy=P -> kv_budget=P engine.kv_budget.budget_tokens=N (P defaults to h2o; null:
+    nothing); rollout.kv_policy without a budget selected nothing then and is dropped;
+    rollout.max_concurrency=auto -> null. The `+key=` / `++key=` forms keep their prefix; every other
+    argument passes unchanged. Called wherever a run config is composed (compose_run_config, rl/train.py)."""
+    parsed = [_OVERRIDE.match(arg) for arg in overrides]
+    policy = next((m[3] for m in parsed if m and m[2] == "rollout.kv_policy"), "h2o")
+    budget = any(m and m[2] == "rollout.kv_budget_tokens" and m[3] not in _NULL for m in parsed)
+    out = []
+    for arg, m in zip(overrides, parsed):
+        plus, key, value = m.groups() if m else ("", None, None)
+        if key in RENAMED_KEYS:
+            new = [f"{plus}{RENAMED_KEYS[key]}={value}"]
+        elif key == "rollout.prefix_hash_block":
+            new = [] if value in _NULL else ["prefix_cache=on", f"{plus}engine.prefix_cache.hash_block={value}"]
+        elif key == "rollout.kv_budget_tokens":
+            new = [] if value in _NULL else [f"kv_budget={policy}", f"{plus}engine.kv_budget.budget_tokens={value}"]
+        elif key == "rollout.kv_policy":
+            new = []
+        elif key == "rollout.max_concurrency" and value.strip("'\"") == "auto":
+            new = [f"{plus}rollout.max_concurrency=null"]
+        else:
+            out.append(arg)
+            continue
+        if key == "rollout.kv_policy":
+            instead = (f"kv_budget={value} (selected with rollout.kv_budget_tokens' replacement)" if budget else
+                       f"nothing: without rollout.kv_budget_tokens it selected no KV budget (kv_budget={value} "
+                       f"engine.kv_budget.budget_tokens=N selects one)")
+        else:
+            instead = " ".join(new) or "nothing (null is the default: off)"
+        warnings.warn(f"{arg} is deprecated (the old form goes in the next release): use {instead}",
+                      DeprecatedKeyWarning, stacklevel=2)
+        out.extend(new)
+    _check_optional_groups(out)
+    return out
+
+
+def _check_optional_groups(overrides: list[str]) -> None:
+    """The engine's prefix cache and KV budget are null until their group is selected, and OmegaConf
+    cannot set a key inside null: name the selection instead of its "Unexpected type for root"."""
+    selected = {m[2] for m in map(_OVERRIDE.match, overrides) if m and "." not in m[2]}
+    for arg in overrides:
+        m = _OVERRIDE.match(arg)
+        for group, option in (("prefix_cache", "on"), ("kv_budget", "h2o|infinigen")):
+            if m and m[2].startswith(f"engine.{group}.") and group not in selected:
+                raise ValueError(f"{arg}: engine.{group} is off (null) unless its group is selected; select it "
+                                 f"first: {group}={option} {arg}")
+
+
+def upgrade_stored_config(tree: dict) -> dict:
+    """A run config as an older version stored it (a checkpoint's run_config.json: rollout and memory
+    holding the engine's knobs) in today's layout, as `resolved_config` would write it now: the
+    engine's other knobs at the values that version's build() used (the EngineConfig defaults), its
+    prefix cache salted PREFIX_CACHE_MODEL_ID. A tree with an `engine` group is returned as is."""
+    if "engine" in tree:
+        return tree
+    tree = copy.deepcopy(tree)
+    rollout = tree.get("rollout", {})
+    moved = {}
+    for old, new in RENAMED_KEYS.items():
+        group, key = old.split(".")
+        if key in tree.get(group, {}):
+            moved[new.split(".")[1]] = tree[group].pop(key)
+    hash_block, budget = rollout.pop("prefix_hash_block", None), rollout.pop("kv_budget_tokens", None)
+    policy = rollout.pop("kv_policy", "h2o")
+    engine = EngineConfig(**moved, prefix_cache=None if hash_block is None else PrefixCacheConfig(
+        hash_block=hash_block, model_id=PREFIX_CACHE_MODEL_ID),
+        kv_budget=None if budget is None else KVBudgetConfig(budget_tokens=budget, policy=policy))
+    tree["engine"] = json.loads(json.dumps(asdict(engine), default=str))
+    if rollout.get("max_concurrency") == "auto":
+        rollout["max_concurrency"] = None
+    return tree
+
+
+# ---- composition --------------------------------------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _writable(node: Any) -> None:
     """Clear the read-only flag frozen dataclasses put on their nodes (composition must write
     into them; the frozen objects are built afterwards by `to_run_config`)."""
     node._set_flag("readonly", None)
-    if isinstance(node, DictConfig) and not node._is_missing():
+    if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
         for key in node.keys():
             _writable(node._get_node(key))
-    elif isinstance(node, ListConfig) and not node._is_missing():
+    elif isinstance(node, ListConfig) and not node._is_missing() and not node._is_none():
         for i in range(len(node)):
             _writable(node._get_node(i))
 
@@ -385,6 +368,37 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
+def _build_groups(node: DictConfig, path: str) -> None:
+    """Build every dataclass node under `node`, deepest first, so a value error names its key: the
+    component's own message ("max_model_len=1, expected >= 2") becomes "engine.max_model_len=1, ..."."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if (isinstance(child, DictConfig) and not child._is_none() and not child._is_missing()
+                and is_dataclass(OmegaConf.get_type(child))):
+            _build_groups(child, f"{path}{key}.")
+    if not path:
+        return
+    try:
+        OmegaConf.to_object(node)
+    except ValueError as err:
+        message = str(err).removeprefix(path).removeprefix(path.split(".")[-2] + ".")
+        named = {f.name for f in fields(OmegaConf.get_type(node))}
+        if re.match(r"\w+", message) and re.match(r"\w+", message)[0] in named:
+            raise ValueError(f"{path}{message}") from None
+        raise ValueError(f"{path[:-1]}: {message}") from None
+
+
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The composed Hydra config as validated dataclasses (value errors name the key)."""
+    _build_groups(cfg, "")
     return OmegaConf.to_object(cfg)
+
+
+def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config `python -m rl.train *overrides` runs (deprecated keys upgraded, with their
+    warnings): for tools and tests that compose outside Hydra's main."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return to_run_config(compose("config", overrides=upgrade_overrides(list(overrides))))

@@ -6,7 +6,7 @@ the planner's workload options (`plan.seq_len`, `plan.png`; rl/plan_config.py). 
 rank, every memory consumer's bytes on each tier in each phase of a steady-state iteration
 (rl/plan_model.py: the formulas and helpers the run itself uses), whether each tier fits the
 cluster in every phase (device per GPU; host and NVMe per node, i.e. ranks per node x one rank),
-the largest memory.pool_mb the rollout phase leaves room for, and the longest context one
+the largest engine.pool_mb the rollout phase leaves room for, and the longest context one
 sequence's KV fits in the pool. Exit status 1 when a tier does not fit (each one named, with the
 phase and the shortfall), 2 on a bad config. `plan.png=<path>` draws the planned timeline the way a
 run draws its memory.png (rl/tracking.py), from the same records phases.jsonl would hold.
@@ -19,25 +19,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rl.config import RunConfig, register_configs, to_run_config
+from rl.config import CONFIGS, RunConfig, compose_run_config
 from rl.plan_config import GIB, ClusterConfig, PlanOptions
 from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, meta_policy, plan_phases, plan_sizes
 from rl.tracking import _plot_memory
 from trainer.chunks import chunk_specs
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @dataclass(frozen=True)
 class Verdict:
     tier: str
     """"device" (per GPU), "host" (per node), "disk" (per node), "device+host" (device_is_host), or
-    "pool": one sequence of rollout.max_model_len in the KV pool (the engine refuses to start otherwise)."""
+    "pool": one sequence of engine.max_model_len in the KV pool (the engine refuses to start otherwise)."""
     need_bytes: int
     """The most the tier holds in any phase."""
     capacity_bytes: int
@@ -57,7 +54,7 @@ class Plan:
     phases: list[PhaseMemory]
     verdicts: list[Verdict]
     max_pool_mb: int
-    """The largest memory.pool_mb every phase holding the pool leaves room for (0: none)."""
+    """The largest engine.pool_mb every phase holding the pool leaves room for (0: none)."""
 
     @property
     def fits(self) -> bool:
@@ -104,9 +101,7 @@ def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pla
         verdicts = [verdict("device", lambda p: p.memory["device_total"], device_cap),
                     verdict("host", lambda p: ranks * p.memory["host_total"], host_cap)]
     verdicts.append(verdict("disk", lambda p: ranks * p.memory["disk_total"], int(cluster.nvme_gib * GIB)))
-    longest = cfg.rollout.max_model_len
-    if cfg.rollout.kv_budget_tokens is not None:  # a KV budget caps what one sequence holds
-        longest = min(longest, cfg.rollout.kv_budget_tokens)
+    longest = cfg.engine.longest_kv_tokens  # a KV budget caps what one sequence holds
     verdicts.append(Verdict("pool", sizes.layout.sequence_pages(longest) * sizes.layout.page_bytes, sizes.pool, "rollout"))
     # The pool gets whatever device memory the phases that hold it leave free (all of them when it
     # is not released for training).
@@ -134,7 +129,7 @@ def render(plan: Plan, console: Console) -> None:
                   f"{fmt_bytes(sizes.weights)} of weights "
                   f"({cfg.experiment.dtype}), cluster {cluster.name}: {cluster.nodes} x "
                   f"{cluster.gpus_per_node} ranks (world {cluster.world}); trainer.num_chunks={cfg.trainer.num_chunks}, "
-                  f"memory.pool_mb={cfg.memory.pool_mb}, memory.reference={cfg.memory.reference}, "
+                  f"engine.pool_mb={cfg.engine.pool_mb}, memory.reference={cfg.memory.reference}, "
                   f"memory.spill_dir={cfg.memory.spill_dir}, {sizes.num_train_tokens:,} trained tokens per rank "
                   f"(micro_batch_tokens={cfg.trainer.micro_batch_tokens})")
     peak = max(v for p in steady for v in p.memory.values())
@@ -161,7 +156,7 @@ def render(plan: Plan, console: Console) -> None:
                      "*parked: an upper bound, inside pool")
     console.print(table)
     for v in plan.verdicts:
-        scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.rollout.max_model_len:,}"}.get(
+        scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.engine.max_model_len:,}"}.get(
             v.tier, "per node")
         if v.fits:
             console.print(f"{v.tier} ({scope}): fits, {fmt_bytes(v.need_bytes)} of {fmt_bytes(v.capacity_bytes)} "
@@ -181,13 +176,13 @@ def render(plan: Plan, console: Console) -> None:
                   f"smallest chunk peak {fmt_bytes(min(peaks))}")
     layout = sizes.layout
     console.print(f"KV pool: {sizes.pool_pages:,} pages of {fmt_bytes(layout.page_bytes)} ({layout.block_tokens} "
-                  f"tokens per MLA page); one sequence of rollout.max_model_len={cfg.rollout.max_model_len:,} "
-                  f"takes {layout.sequence_pages(cfg.rollout.max_model_len)} pages; longest context in this pool: "
+                  f"tokens per MLA page); one sequence of engine.max_model_len={cfg.engine.max_model_len:,} "
+                  f"takes {layout.sequence_pages(cfg.engine.max_model_len)} pages; longest context in this pool: "
                   f"{_tokens(plan.longest_context(sizes.pool_pages))} (rollout KV only: train at that length is another plan.seq_len)")
     max_pages = (plan.max_pool_mb << 20) // layout.page_bytes
-    console.print(f"largest memory.pool_mb that fits: {plan.max_pool_mb:,} ({max_pages:,} pages; longest context "
+    console.print(f"largest engine.pool_mb that fits: {plan.max_pool_mb:,} ({max_pages:,} pages; longest context "
                   f"{_tokens(plan.longest_context(max_pages))}, "
-                  f"{max_pages // max(1, layout.sequence_pages(cfg.rollout.max_model_len)):,} sequences of max_model_len "
+                  f"{max_pages // max(1, layout.sequence_pages(cfg.engine.max_model_len)):,} sequences of max_model_len "
                   f"at once)")
     if cfg.memory.spill_dir is not None:
         seconds = cluster.gpus_per_node * sizes.spill_payload / (cluster.nvme_gb_s * 1e9)
@@ -228,10 +223,7 @@ def compose_plan_inputs(argv: list[str]) -> tuple[RunConfig, ClusterConfig, Plan
     cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.load(path),
                               OmegaConf.from_dotlist(cluster_args))
     options = OmegaConf.merge(OmegaConf.structured(PlanOptions), OmegaConf.from_dotlist(plan_args))
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = to_run_config(compose("config", overrides=run_args))
-    return cfg, OmegaConf.to_object(cluster), OmegaConf.to_object(options)
+    return compose_run_config(run_args), OmegaConf.to_object(cluster), OmegaConf.to_object(options)
 
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:

@@ -52,7 +52,7 @@ class ClusterConfig:
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     seq_len: int | None = None
-    """Tokens of one trajectory (prompt + answers) the train phase sees; null = rollout.max_model_len
+    """Tokens of one trajectory (prompt + answers) the train phase sees; null = engine.max_model_len
     (the worst case). Each becomes a trained sequence of seq_len - 1 tokens."""
     png: str | None = None
     """Where to draw the planned memory timeline (the run's memory.png); null = no picture."""

@@ -17,7 +17,7 @@ line (who, the error, the reason) in `errors` and counts them as `dropped/<reaso
 `trajectories_dropped`); a fault before a group's first request (its prompt) drops the whole group,
 which is then skipped (GRPO needs the group), a later one drops only its trajectory:
 - `too_long`: a context the engine can never run (`ContextTooLong`: longer than
-  rollout.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
+  engine.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
   each request is submitted;
 - `env_error`: the task's factory, `reset` or `step` raised (or returned no StepResult);
 - `timeout`: one such call ran past `env_timeout_s` (it is left running on its daemon thread, its
@@ -146,23 +146,81 @@ def _continued(sub: Submission) -> list[Trajectory]:
     return sub.follow_up.trajs
 
 
+@dataclass(frozen=True, kw_only=True)
+class DriverConfig:
+    """The rollout driver's settings: the RL run's `rollout` config group (the engine's own are the
+    `engine` group, rollout/engine_config.py)."""
+    groups_per_iteration: int = 16
+    """New prompt groups started each iteration (each of algo.group_size trajectories), over all ranks
+    together: rank r generates the groups g with g % world == r."""
+    max_new_tokens: int = 4
+    """Tokens per policy turn at most (each turn of a multi-turn episode gets this many)."""
+    temperature: float = 1.0
+    """Sampling temperature; only 1.0 trains for now (the trainer scores at T = 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 = all."""
+    max_concurrency: int | None = None
+    """Requests in flight per rank (each rank's engine): None = the dispatcher's auto-throttle, or a
+    positive integer that pins the limit."""
+    budget_tokens: int | None = None
+    """Partial rollouts: generated tokens per iteration, over all ranks (each rank stops at its share,
+    ceil(budget_tokens / world)), after which unfinished trajectories are paused and carried over;
+    None = no token budget."""
+    budget_seconds: float | None = None
+    """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
+    time budget."""
+    env_timeout_s: float | None = 60.0
+    """Seconds each environment call (factory, reset, step, reward) may take before its trajectory
+    is dropped (reason "timeout"); None = no limit (plain calls)."""
+    max_drop_fraction: float = 0.5
+    """Circuit breaker (rl/orchestrator.py): the run stops with an error when more than this share of
+    an iteration's trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
+    partial_resume: str = "recompute"
+    """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
+    weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so an RL
+    run needs engine.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
+
+    def __post_init__(self) -> None:
+        if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"groups_per_iteration={self.groups_per_iteration} and max_new_tokens="
+                             f"{self.max_new_tokens} must be >= 1")
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"env_timeout_s={self.env_timeout_s}, expected > 0 or null (no limit)")
+        if not 0 <= self.max_drop_fraction <= 1:
+            raise ValueError(f"max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
+        if self.max_concurrency is not None and (isinstance(self.max_concurrency, bool) or self.max_concurrency < 1):
+            raise ValueError(f"max_concurrency={self.max_concurrency!r}, expected an integer >= 1 or null "
+                             f"(the dispatcher's auto-throttle)")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError(f"budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
+        if self.budget_seconds is not None and not self.budget_seconds > 0:
+            raise ValueError(f"budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
+        # the sampler's own checks, at construction rather than at the first request
+        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k)
+        if self.temperature != 1.0:
+            # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
+            raise ValueError(f"temperature={self.temperature}: only 1.0 is supported for training for now "
+                             f"(the trainer's logprobs are not temperature-scaled yet)")
+        if self.partial_resume not in ("recompute", "kv"):
+            raise ValueError(f"partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
+
+
 class RolloutDriver:
     """Runs iterations of trajectory generation against one engine; its state (carried-over and
     finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
 
-    def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, *, group_size: int,
-                 groups_per_iteration: int, max_new_tokens: int, sampling: dict, seed: int,
-                 throttle: ThrottleConfig, budget_tokens: int | None = None, budget_seconds: float | None = None,
-                 partial_resume: str = "recompute", rank: int = 0, world: int = 1,
-                 env_timeout_s: float | None = 60.0) -> None:
-        """groups_per_iteration counts global groups; with `world` > 1 ranks this driver generates only
-        the groups g with g % world == rank (every seed derives from the run seed and the global g,
-        so the episodes and sampled tokens do not depend on the number of ranks). `env_timeout_s`:
-        the limit of each environment call (factory, reset, step; None = no limit, plain calls)."""
+    def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
+                 group_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
+        """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
+        generates only the groups g with g % world == rank (every seed derives from the run `seed`
+        and the global g, so the episodes and sampled tokens do not depend on the number of ranks),
+        and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
-        if env_timeout_s is not None and not env_timeout_s > 0:
-            raise ValueError(f"env_timeout_s={env_timeout_s}, expected > 0 seconds or None (no limit)")
+        self.config = config
         self.engine, self.tokenizer = engine, tokenizer
         self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
@@ -170,11 +228,14 @@ class RolloutDriver:
             make_task(task_name, **self.task_params)  # fail now, with the task's own message
         except TypeError as err:
             raise ValueError(f"task {task_name!r} rejects params {self.task_params}: {err}") from None
-        self.group_size, self.groups_per_iteration = group_size, groups_per_iteration
-        self.max_new_tokens, self.sampling, self.seed = max_new_tokens, dict(sampling), seed
-        self.throttle, self.partial_resume = throttle, partial_resume
-        self.budget_tokens, self.budget_seconds = budget_tokens, budget_seconds
-        self.env_timeout_s = env_timeout_s
+        self.group_size, self.seed = group_size, seed
+        # the config's knobs under the names the iteration code reads; budget_tokens is this rank's share
+        self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
+        self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+        self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
+        self.partial_resume, self.env_timeout_s = config.partial_resume, config.env_timeout_s
+        self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
+        self.budget_seconds = config.budget_seconds
         self.next_group = 0
         self.carry: list[Trajectory] = []  # unfinished, carried over to the next iteration
         self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members

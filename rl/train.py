@@ -23,7 +23,7 @@ import json
 import os
 import signal
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import hydra
@@ -37,17 +37,15 @@ from models.config import ModelConfig
 from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
-from rl.config import RunConfig, register_configs, to_run_config
+from rl.config import RunConfig, register_configs, to_run_config, upgrade_overrides, upgrade_stored_config
 from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
 from rl.tracking import Tracker
-from rollout.dispatcher import ThrottleConfig
-from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.engine import Engine
 from trainer.ref_stream import StreamedReference
-from trainer.step import Trainer, TrainerConfig
+from trainer.step import Trainer
 
 register_configs()
 
@@ -108,13 +106,14 @@ def check_checkpoint_model(cfg: RunConfig) -> None:
 def check_config_drift(cfg: RunConfig, resume_path: Path) -> None:
     """Refuse a resume whose config differs from the one the checkpoint was written with, outside
     RESUME_MAY_CHANGE, naming every differing key with both values. A checkpoint from before configs
-    were stored is resumed with a warning."""
+    were stored is resumed with a warning. A config stored under the old key names (rl/config.py
+    RENAMED_KEYS) is compared in today's names (`upgrade_stored_config`)."""
     stored = resume_path / RUN_CONFIG
     if not stored.exists():
         print(f"WARNING: {resume_path} stores no run config (written before {RUN_CONFIG}); the resume cannot "
               f"check that the config is unchanged", file=sys.stderr)
         return
-    before, now = _flatten(json.loads(stored.read_text())), _flatten(resolved_config(cfg))
+    before, now = _flatten(upgrade_stored_config(json.loads(stored.read_text()))), _flatten(resolved_config(cfg))
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k, "<absent>") != now.get(k, "<absent>")
                      and not any(k == w or (w.endswith(".") and k.startswith(w)) for w in RESUME_MAY_CHANGE))
     if changed:
@@ -166,30 +165,13 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     else:
         engine_model = policy  # one copy of the weights: the engine runs on the trainer's parameters
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
-    engine = Engine(engine_model, EngineConfig(
-        kda_state_dtype=cfg.rollout.kda_state_dtype,
-        max_model_len=cfg.rollout.max_model_len, pool_mb=cfg.memory.pool_mb,
-        max_num_batched_tokens=cfg.rollout.max_num_batched_tokens, kernel_impl=cfg.rollout.kernel_impl,
-        seed=cfg.seed, show_progress=False, host_pool_mb=cfg.memory.host_pool_mb,
-        prefix_cache=(PrefixCacheConfig(hash_block=cfg.rollout.prefix_hash_block, model_id="policy")
-                      if cfg.rollout.prefix_hash_block else None),
-        kv_budget=cfg.rollout.kv_budget()), ledger=ledger)
+    # The configs go through as composed; the engine's seed is the run's, and its progress bar is
+    # off (the tracker shows the rollout's).
+    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False), ledger=ledger)
     t = cfg.trainer
-    trainer = Trainer(policy, TrainerConfig(num_chunks=t.num_chunks, chunk_split=t.chunk_split,
-                                            num_grad_slots=t.num_grad_slots,
-                                            optimizer=t.optimizer, max_bad_steps=t.max_bad_steps,
-                                            max_grad_norm=t.max_grad_norm),
-                      group=ranks.group, ledger=ledger)
-    r = cfg.rollout
-    driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params,
-                           group_size=cfg.algo.group_size, groups_per_iteration=r.groups_per_iteration,
-                           max_new_tokens=r.max_new_tokens,
-                           sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
-                           seed=cfg.seed, throttle=ThrottleConfig(max_concurrency=r.concurrency),
-                           budget_tokens=None if r.budget_tokens is None else -(-r.budget_tokens // ranks.world),
-                           budget_seconds=r.budget_seconds,
-                           partial_resume=r.partial_resume, rank=ranks.rank, world=ranks.world,
-                           env_timeout_s=r.env_timeout_s)
+    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger)
+    driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params, cfg.rollout,
+                           group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world)
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
@@ -327,6 +309,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = upgrade_overrides(sys.argv[1:])  # renamed keys still work for one release, with a warning
     if int(os.environ.get("RANK", "0")) > 0:
         # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]

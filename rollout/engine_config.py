@@ -1,5 +1,6 @@
 """The rollout engine's settings (rollout/engine.py): one dataclass, used as is by the RL run's
-`engine` config group (rl/config.py), so every knob has one name and one default."""
+`engine` config group (rl/config.py: `engine.pool_mb=...`; the optional `prefix_cache` and
+`kv_budget` nodes are Hydra groups of their own), so every knob has one name and one default."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from rollout.prefix_config import PrefixCacheConfig
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_model_len: int = 4096
-    """Longest sequence (prompt + generated) the engine accepts."""
+    """Longest sequence (prompt + generated, every turn of a conversation) the engine accepts: a longer
+    prompt is refused (`ContextTooLong`). The pool must hold one sequence of this length (or of the
+    KV budget): 64k-128k contexts are this knob and pool_mb."""
     num_pages: int | None = None
     """Pages in the device pool (exact); None = as many as pool_mb holds."""
     pool_mb: int = 64
@@ -23,7 +26,8 @@ class EngineConfig:
     block_tokens: int | None = None
     """Tokens per MLA page (default: derived so an MLA page is the size of a KDA state page)."""
     max_num_batched_tokens: int = 512
-    """Per-step token budget (decode tokens + prefill chunks)."""
+    """Tokens one engine step computes (decode tokens + prefill chunks): a longer prompt is prefilled
+    in chunks of at most this many tokens over several steps, so it may be below max_model_len."""
     max_num_seqs: int = 128
     """Sequences running at once."""
     kernel_impl: str | None = None
@@ -54,7 +58,11 @@ class EngineConfig:
         except ValueError as err:
             raise ValueError(f"kda_state_{err}") from None
         if self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len}, expected >= 2")
+            raise ValueError(f"max_model_len={self.max_model_len}, expected >= 2 (one prompt token and one "
+                             f"generated token)")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1 (tokens per "
+                             f"engine step; a longer prompt is prefilled in chunks of this size)")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
         if self.pool_mb < 1:
@@ -65,3 +73,8 @@ class EngineConfig:
             raise ValueError(f"host_num_pages={self.host_num_pages}, expected >= 0 or None")
         if self.kernel_impl is not None:
             check_impl(self.kernel_impl)
+
+    @property
+    def longest_kv_tokens(self) -> int:
+        """Tokens of KV one sequence holds on the device at most: max_model_len, capped by the KV budget."""
+        return self.max_model_len if self.kv_budget is None else min(self.max_model_len, self.kv_budget.budget_tokens)

@@ -42,7 +42,7 @@ from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint
 from models.model import HybridLM
 from models.precision import dtype_name
-from trainer.chunks import ChunkedModel
+from trainer.chunks import CHUNK_SPLITS, ChunkedModel
 from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
 
 
@@ -67,10 +67,10 @@ def micro_batches(seq_lens: Sequence[int], budget: int | None) -> list[list[int]
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     num_chunks: int = 4
-    """VPP chunks the model is split into."""
+    """VPP chunks the model is split into (at most its layers; layers + 2 with chunk_split="params")."""
     chunk_split: str = "layers"
     """How (trainer/chunks.py CHUNK_SPLITS): "layers" (equal layer counts) or "params" (smallest
-    largest chunk, so the smallest gradient slots)."""
+    largest chunk, the embedding and the head as units of their own, so the smallest gradient slots)."""
     num_grad_slots: int = 2
     """FP32 gradient buffers resident at once."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -81,14 +81,23 @@ class TrainerConfig:
     max_grad_norm: float | None = None
     """Clip the global gradient norm (FP32, over every rank's shards) to this, torch's
     `clip_grad_norm_` rule; None = no clipping (a non-finite norm still skips the step)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch (`micro_batches`): what the RL loop passes to every
+    `train_step(..., micro_batch_tokens)`; None = the whole batch at once."""
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm}, expected > 0 or None (no clipping)")
+        if self.num_chunks < 1:
+            raise ValueError(f"num_chunks={self.num_chunks}, expected >= 1")
+        if self.chunk_split not in CHUNK_SPLITS:
+            raise ValueError(f"chunk_split={self.chunk_split!r}, expected one of {CHUNK_SPLITS}")
         if self.num_grad_slots < 1:
             raise ValueError(f"num_grad_slots={self.num_grad_slots}, expected >= 1")
         if self.max_bad_steps < 0:
             raise ValueError(f"max_bad_steps={self.max_bad_steps}, expected >= 0")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or None (whole batch)")
 
 
 LEDGER_CONSUMER = "train_states"
@@ -238,6 +247,15 @@ class Trainer:
         counters untouched; `skipped` = 1, `nonfinite_grad` = 1 when the loss was finite but a
         gradient was not); more than `max_bad_steps` such steps in a row raise FloatingPointError.
         """
+        self._check_batch(token_ids, seq_lens, targets)
+        self.model.train()
+        plan = micro_batches(seq_lens, micro_batch_tokens) if seq_lens else []
+        loss = self._forward_backward(token_ids, seq_lens, targets, loss_fn, plan)
+        return self._guarded_update(loss, num_micro_batches=len(plan))
+
+    def _check_batch(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor) -> None:
+        """train_step's preconditions: states resident, a packed batch that agrees with itself, on the
+        model's device (raises naming what is wrong)."""
         if self.states_spilled:
             raise RuntimeError("train_step while the optimizer states are spilled to "
                                f"{self.optimizer.store.directory}; call restore_states() first")
@@ -251,8 +269,13 @@ class Trainer:
         if token_ids.device != comm or targets.device != comm:
             raise ValueError(f"token_ids on {token_ids.device}, targets on {targets.device}: the model and its "
                              f"gradients are on {comm}; build the batch there")
-        self.model.train()
-        plan = micro_batches(seq_lens, micro_batch_tokens) if not empty else []
+
+    def _forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
+                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          plan: list[list[int]]) -> torch.Tensor:
+        """Every micro-batch of `plan` through the chunked model, each chunk's gradient reduced into
+        the host shards as it completes; returns the summed loss (a device scalar, not synced)."""
+        comm = self.arena.device
         # Every rank runs the same number of micro-batches (each one is a round of collectives);
         # a rank with fewer sequences (or none: DP ranks without work this step) contributes zero
         # gradients in its extra rounds.
@@ -280,6 +303,11 @@ class Trainer:
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
             loss = loss + part
         self.arena.check_integrity()
+        return loss
+
+    def _guarded_update(self, loss: torch.Tensor, num_micro_batches: int) -> dict[str, float]:
+        """The gradient guard and the optimizer step (see train_step); returns the step's metrics."""
+        comm = self.arena.device
         # Every chunk's gradient is reduced into the host shards (the optimizer steps all chunks
         # together, below): one all-reduce carries the ranks' non-finite loss count and their squared
         # gradient shards, so every rank sees the same global norm and takes the same decision.
@@ -289,7 +317,7 @@ class Trainer:
             dist.all_reduce(stats, group=self.group)
         loss_value, bad_losses, grad_norm = torch.cat([loss.detach()[None], stats[:1], stats[1:].sqrt()]).tolist()
         # (the step's one host sync)
-        metrics = {"loss": loss_value, "micro_batches": float(len(plan)),
+        metrics = {"loss": loss_value, "micro_batches": float(num_micro_batches),
                    "grad_slots_high_water": float(self.arena.high_water_slots), "grad_norm": grad_norm}
         if bad_losses or not math.isfinite(grad_norm):
             self.optimizer.zero_grad()

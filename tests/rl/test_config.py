@@ -4,26 +4,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from rl.config import RunConfig, register_configs, to_run_config
-
-CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
-register_configs()
+from rl.config import CONFIGS, DeprecatedKeyWarning, RunConfig, compose_run_config, upgrade_overrides
+from rl.train import resolved_config
 
 
 def composed(*overrides: str) -> RunConfig:
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return to_run_config(compose("config", overrides=list(overrides)))
+    """The config `python -m rl.train *overrides` runs (renamed keys upgraded, as there)."""
+    return compose_run_config(overrides)
 
 
 def test_default_is_cpu_demo_and_overrides_apply():
     cfg = composed()
     assert cfg.experiment.name == "cpu_demo" and cfg.model.hidden_size == 64
-    assert cfg.task.name == "majority_digit" and cfg.rollout.max_concurrency == "auto"
+    assert cfg.task.name == "majority_digit" and cfg.rollout.max_concurrency is None  # the auto-throttle
     cfg = composed("task=key_lookup", "rollout.max_concurrency=12", "algo=rloo")
-    assert cfg.task.name == "key_lookup" and cfg.rollout.concurrency == 12 and cfg.algo.advantage == "rloo"
+    assert cfg.task.name == "key_lookup" and cfg.rollout.max_concurrency == 12 and cfg.algo.advantage == "rloo"
 
 
 def test_unknown_key_names_it():
@@ -42,20 +39,24 @@ def test_wrong_type_names_key_and_value():
 @pytest.mark.parametrize("override, words", [
     ("rollout.budget_tokens=-5", ["budget_tokens=-5", ">= 1"]),
     ("rollout.budget_seconds=-1.0", ["budget_seconds=-1.0", "> 0"]),
-    ("rollout.max_concurrency=lots", ["max_concurrency='lots'", "'auto'"]),
+    ("rollout.max_concurrency=lots", ["rollout.max_concurrency", "'lots'", "Integer"]),
+    ("rollout.max_concurrency=0", ["rollout.max_concurrency=0", "integer >= 1 or null"]),
     ("algo.group_size=1", ["group_size=1", ">= 2"]),
     ("rollout.temperature=0.7", ["temperature=0.7", "1.0"]),
     ("rollout.top_p=1.5", ["rollout.top_p=1.5", "(0, 1]"]),
     ("tracking.wandb_mode=ofline", ["ofline", "offline"]),
-    ("rollout.kv_budget_tokens=30", ["rollout.budget_tokens=30", "sink_tokens + recent_tokens"]),
-    ("rollout.kv_policy=lru", ["unknown eviction policy 'lru'", "'infinigen'"]),
+    ("kv_budget=h2o engine.kv_budget.budget_tokens=30", ["engine.kv_budget.budget_tokens=30",
+                                                          "sink_tokens + recent_tokens"]),
+    ("kv_budget=h2o engine.kv_budget.budget_tokens=64 engine.kv_budget.policy=lru",
+     ["unknown eviction policy 'lru'", "'infinigen'"]),
+    ("engine.prefix_cache.hash_block=16", ["engine.prefix_cache.hash_block=16", "prefix_cache=on"]),
     ("trainer.chunk_split=bytes", ["trainer.chunk_split='bytes'", "'layers', 'params'"]),
     ("trainer.num_chunks=9", ["trainer.num_chunks=9", "at most 8 for a model of 8 layers", "'params' allows layers + 2"]),
 ])
 def test_bad_values_fail_with_the_value_and_what_was_expected(override, words):
     with pytest.raises(Exception) as err:
-        composed(override)
-    message = str(err.value)
+        composed(*override.split())
+    message = f"{err.value} {err.value.__cause__ or ''}"  # a wrong type: Hydra's error, OmegaConf's cause
     assert all(w in message for w in words), message
 
 
@@ -63,14 +64,83 @@ def test_kv_resume_conflicts_with_releasing_the_pool():
     with pytest.raises(Exception, match="release_pool_in_train"):
         composed("rollout.partial_resume=kv")
     assert composed("rollout.partial_resume=kv", "memory.release_pool_in_train=false").rollout.partial_resume == "kv"
-    assert composed("rollout.partial_resume=kv", "memory.host_pool_mb=4").memory.host_pool_mb == 4  # parked there
+    assert composed("rollout.partial_resume=kv", "engine.host_pool_mb=4").engine.host_pool_mb == 4  # parked there
     with pytest.raises(Exception, match="host_pool_mb=-1"):
-        composed("memory.host_pool_mb=-1")
+        composed("engine.host_pool_mb=-1")
 
 
 def test_help_lists_the_groups():
     out = subprocess.run([sys.executable, "-m", "rl.train", "--help"], capture_output=True, text=True,
                          cwd=Path(CONFIGS).parent, timeout=120)
     assert out.returncode == 0, out.stderr
-    for group in ("model", "task", "algo", "rollout", "memory", "trainer", "experiment"):
+    for group in ("model", "task", "algo", "rollout", "engine", "prefix_cache", "kv_budget", "memory", "trainer",
+                  "experiment"):
         assert f"{group}:" in out.stdout, out.stdout
+
+
+# What the default run (`python -m rl.train`, experiment=cpu_demo) ran with before the groups became the
+# components' own configs (then: rollout.max_model_len=256, memory.pool_mb=16, trainer.num_chunks=2, ...):
+# the composed default must keep resolving to exactly these values.
+DEFAULT_RUN = {
+    "rollout": {"groups_per_iteration": 8, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                "max_concurrency": None, "budget_tokens": None, "budget_seconds": None, "env_timeout_s": 60.0,
+                "max_drop_fraction": 0.5, "partial_resume": "recompute"},
+    "engine": {"max_model_len": 256, "num_pages": None, "pool_mb": 16, "group_layers": None, "block_tokens": None,
+               "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None, "seed": 0,
+               "check_every_step": False, "show_progress": True, "prefix_cache": None, "host_pool_mb": 0,
+               "host_num_pages": None, "kv_budget": None, "kda_state_dtype": "fp32"},
+    "trainer": {"num_chunks": 2, "chunk_split": "layers", "num_grad_slots": 2, "max_bad_steps": 3,
+                "max_grad_norm": 1.0, "micro_batch_tokens": None,
+                "optimizer": {"lr": 5e-4, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "backend": "auto"}},
+    "memory": {"release_pool_in_train": True, "reference": "stream", "host_budget_mb": None, "spill_dir": None},
+    "algo": {"advantage": "grpo", "group_size": 16},
+    "experiment": {"name": "cpu_demo", "iterations": 400, "dtype": "fp32", "device": "cpu"},
+}
+
+
+def test_the_default_run_resolves_to_the_pinned_values():
+    resolved = resolved_config(composed())
+    for group, values in DEFAULT_RUN.items():
+        assert {k: resolved[group][k] for k in values} == values, group
+    assert set(resolved["engine"]) == set(DEFAULT_RUN["engine"]) and set(resolved["rollout"]) == set(DEFAULT_RUN["rollout"])
+
+
+def test_the_optional_engine_nodes_are_groups():
+    cfg = composed("prefix_cache=on", "engine.prefix_cache.hash_block=32")
+    assert cfg.engine.prefix_cache.hash_block == 32 and cfg.engine.prefix_cache.model_id == "policy"
+    assert composed().engine.prefix_cache is None and composed().engine.kv_budget is None
+    cfg = composed("kv_budget=infinigen", "engine.kv_budget.budget_tokens=64")
+    assert cfg.engine.kv_budget.budget_tokens == 64 and cfg.engine.kv_budget.policy == "infinigen"
+    assert cfg.engine.longest_kv_tokens == 64
+    with pytest.raises(Exception, match="budget_tokens"):  # a budget needs its size
+        composed("kv_budget=h2o")
+
+
+@pytest.mark.parametrize("old, new", [
+    (["memory.pool_mb=32"], ["engine.pool_mb=32"]),
+    (["memory.host_pool_mb=4"], ["engine.host_pool_mb=4"]),
+    (["rollout.max_model_len=128"], ["engine.max_model_len=128"]),
+    (["rollout.max_num_batched_tokens=64"], ["engine.max_num_batched_tokens=64"]),
+    (["rollout.kernel_impl=naive"], ["engine.kernel_impl=naive"]),
+    (["rollout.kda_state_dtype=bf16"], ["engine.kda_state_dtype=bf16"]),
+    (["rollout.prefix_hash_block=16"], ["prefix_cache=on", "engine.prefix_cache.hash_block=16"]),
+    (["++rollout.prefix_hash_block=16"], ["prefix_cache=on", "++engine.prefix_cache.hash_block=16"]),
+    (["rollout.prefix_hash_block=null"], []),
+    (["rollout.kv_budget_tokens=40"], ["kv_budget=h2o", "engine.kv_budget.budget_tokens=40"]),
+    (["rollout.kv_policy=infinigen", "rollout.kv_budget_tokens=40"],
+     ["kv_budget=infinigen", "engine.kv_budget.budget_tokens=40"]),
+    (["rollout.kv_policy=infinigen"], []),
+    (["rollout.max_concurrency=auto"], ["rollout.max_concurrency=null"]),
+])
+def test_an_old_key_still_works_and_warns_naming_the_new_one(old, new):
+    with pytest.warns(DeprecatedKeyWarning) as caught:
+        assert upgrade_overrides(old) == new
+    assert len(caught) == len(old)
+    assert all(any(n in str(w.message) for w in caught) for n in new)  # every new key is named
+    with pytest.warns(DeprecatedKeyWarning):
+        assert composed(*old) == composed(*new)
+
+
+def test_other_overrides_pass_unchanged():
+    args = ["--help", "rollout.max_concurrency=3", "engine.pool_mb=8", "+tracking.x=1", "hydra.verbose=true"]
+    assert upgrade_overrides(args) == args

@@ -10,7 +10,8 @@ import pytest
 from models.checkpoint import save_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
-from rl.train import RESUME_MAY_CHANGE, run
+from rl.checkpoint import RUN_CONFIG
+from rl.train import RESUME_MAY_CHANGE, check_config_drift, resolved_config, run
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL
 
@@ -78,3 +79,29 @@ def test_a_refused_start_leaves_the_earlier_starts_hydra_records(tmp_path):
                              capture_output=True, text=True)
     assert refused.returncode != 0 and "changed config" in refused.stderr
     assert all(p.read_bytes() == data for p, data in first.items())  # every earlier record unchanged
+
+
+# the engine's knobs where a run stored them before the engine group (the default run's values)
+OLD_IN_ROLLOUT = {"max_concurrency": "auto", "max_model_len": 256, "max_num_batched_tokens": 1024, "kernel_impl": None,
+                  "prefix_hash_block": None, "kv_budget_tokens": None, "kda_state_dtype": "fp32", "kv_policy": "h2o"}
+OLD_IN_MEMORY = {"pool_mb": 16, "host_pool_mb": 0}
+
+
+def _old_checkpoint(tmp_path: Path, cfg, **rollout) -> Path:
+    tree = resolved_config(cfg)
+    del tree["engine"]
+    tree["rollout"] |= OLD_IN_ROLLOUT | rollout
+    tree["memory"] |= OLD_IN_MEMORY
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(tree))
+    return tmp_path
+
+
+def test_a_checkpoint_stored_under_the_old_key_names_resumes_in_the_new_ones(tmp_path):
+    cfg = composed(*SMALL)
+    check_config_drift(cfg, _old_checkpoint(tmp_path, cfg))  # the same run: nothing changed
+    with pytest.raises(ValueError, match="changed config: engine.pool_mb: 16 in the checkpoint, 32 now"):
+        check_config_drift(composed(*SMALL, "engine.pool_mb=32"), tmp_path)
+    cfg = composed(*SMALL, "prefix_cache=on", "engine.prefix_cache.hash_block=16")
+    check_config_drift(cfg, _old_checkpoint(tmp_path, cfg, prefix_hash_block=16))
+    with pytest.raises(ValueError, match="engine.prefix_cache.hash_block: 16 in the checkpoint, 32 now"):
+        check_config_drift(composed(*SMALL, "prefix_cache=on", "engine.prefix_cache.hash_block=32"), tmp_path)

@@ -1,4 +1,4 @@
-"""Long contexts are configuration: rollout.max_model_len and memory.pool_mb are checked against each
+"""Long contexts are configuration: engine.max_model_len and engine.pool_mb are checked against each
 other at composition (the engine's page math); a too-long trajectory is dropped, logged and counted,
 and the run goes on."""
 import math
@@ -10,11 +10,10 @@ from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import ByteTokenizer
 from rl.plan_model import cache_layout
-from rl.rollout import RolloutDriver, mix_seed
+from rl.rollout import DriverConfig, RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
 from rl.train import run
 from rollout import ContextTooLong
-from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL
@@ -65,20 +64,20 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
     needed = len(layout.kda_groups) + len(layout.mla_groups) * math.ceil(131072 / layout.block_tokens)
     mb = math.ceil(needed * layout.page_bytes / (1 << 20))
     with pytest.raises(ValueError) as err:
-        composed("rollout.max_model_len=131072")
+        composed("engine.max_model_len=131072")
     message = str(err.value)
-    for words in (f"memory.pool_mb={cfg.memory.pool_mb} holds {(cfg.memory.pool_mb << 20) // layout.page_bytes} pages",
-                  "rollout.max_model_len=131072", f"needs {needed} pages", f"memory.pool_mb >= {mb}"):
+    for words in (f"engine.pool_mb={cfg.engine.pool_mb} holds {(cfg.engine.pool_mb << 20) // layout.page_bytes} pages",
+                  "engine.max_model_len=131072", f"needs {needed} pages", f"engine.pool_mb >= {mb}"):
         assert words in message, message
     with pytest.raises(ValueError, match=f"needs {needed} pages"):
-        composed("rollout.max_model_len=131072", f"memory.pool_mb={mb - 1}")
-    big = composed("rollout.max_model_len=131072", f"memory.pool_mb={mb}")
+        composed("engine.max_model_len=131072", f"engine.pool_mb={mb - 1}")
+    big = composed("engine.max_model_len=131072", f"engine.pool_mb={mb}")
     # a KV budget caps what one sequence holds on the device: the default pool is enough
-    composed("rollout.max_model_len=131072", "rollout.kv_budget_tokens=4096")
+    composed("engine.max_model_len=131072", "kv_budget=h2o", "engine.kv_budget.budget_tokens=4096")
 
     # The engine rl/train.py builds from that config accepts it and admits up to max_model_len - 1 tokens.
     model = HybridLM(big.model)
-    engine = Engine(model, EngineConfig(max_model_len=big.rollout.max_model_len, pool_mb=big.memory.pool_mb,
+    engine = Engine(model, EngineConfig(max_model_len=big.engine.max_model_len, pool_mb=big.engine.pool_mb,
                                         show_progress=False))
     assert engine.layout == big.cache_layout and engine.pool.num_pages >= needed
     engine.check_context(131071)
@@ -89,8 +88,8 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
 
 
 @pytest.mark.parametrize("overrides, build_engine", [
-    ([], True), (["rollout.kda_state_dtype=bf16"], True), (["experiment.dtype=bf16"], True),
-    (["model=kimi_linear_mid", "memory.pool_mb=64"], False),  # the planner's figures only: a 0.43B model
+    ([], True), (["engine.kda_state_dtype=bf16"], True), (["experiment.dtype=bf16"], True),
+    (["model=kimi_linear_mid", "engine.pool_mb=64"], False),  # the planner's figures only: a 0.43B model
 ])
 def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_engine):
     cfg = composed(*overrides)
@@ -101,18 +100,18 @@ def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_
     assert [layout.sequence_pages(n) for n in lengths] == by_hand
     if build_engine:
         model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
-        engine = Engine(model, EngineConfig(kda_state_dtype=cfg.rollout.kda_state_dtype, show_progress=False,
-                                            pool_mb=cfg.memory.pool_mb))
+        engine = Engine(model, EngineConfig(kda_state_dtype=cfg.engine.kda_state_dtype, show_progress=False,
+                                            pool_mb=cfg.engine.pool_mb))
         assert engine.layout == layout
         assert [engine.cache.pages_for_tokens(n) for n in lengths] == by_hand
 
 
 @pytest.mark.parametrize("override, words", [
-    ("rollout.max_num_batched_tokens=0", ["rollout.max_num_batched_tokens=0", ">= 1"]),
-    ("rollout.max_model_len=1", ["rollout.max_model_len=1", ">= 2"]),
-    ("rollout.max_new_tokens=256", ["rollout.max_new_tokens=256", "rollout.max_model_len=256",
+    ("engine.max_num_batched_tokens=0", ["engine.max_num_batched_tokens=0", ">= 1"]),
+    ("engine.max_model_len=1", ["engine.max_model_len=1", ">= 2"]),
+    ("rollout.max_new_tokens=256", ["rollout.max_new_tokens=256", "engine.max_model_len=256",
                                     "max_new_tokens < max_model_len"]),
-    ("model=kimi_linear_mid", ["memory.pool_mb=16 holds 3 pages", "needs 4 pages", "memory.pool_mb >= 19"]),
+    ("model=kimi_linear_mid", ["engine.pool_mb=16 holds 3 pages", "needs 4 pages", "engine.pool_mb >= 19"]),
 ])
 def test_rollout_limits_fail_at_composition_with_the_numbers(override, words):
     with pytest.raises(ValueError) as err:
@@ -121,13 +120,13 @@ def test_rollout_limits_fail_at_composition_with_the_numbers(override, words):
 
 
 def test_a_step_budget_below_max_model_len_is_allowed():
-    cfg = composed("rollout.max_model_len=1024", "rollout.max_num_batched_tokens=64")
-    assert cfg.rollout.max_num_batched_tokens < cfg.rollout.max_model_len  # chunked prefill covers the rest
+    cfg = composed("engine.max_model_len=1024", "engine.max_num_batched_tokens=64")
+    assert cfg.engine.max_num_batched_tokens < cfg.engine.max_model_len  # chunked prefill covers the rest
 
 
 def test_a_run_drops_the_group_whose_prompt_is_too_long_and_trains_the_others(tmp_path, capsys):
     long_group = 1
-    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=1", *SMALL, "rollout.max_model_len=32",
+    cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=1", *SMALL, "engine.max_model_len=32",
                    "task.name=test_one_long_prompt", f"+task.params.long_seed={mix_seed(0, long_group)}")
     history = run(cfg)
     assert history[0]["rollout_dropped_too_long"] == 4  # the group's 4 trajectories
@@ -144,8 +143,7 @@ def test_a_later_turn_that_outgrows_max_model_len_drops_that_trajectory_and_skip
     engine = Engine(model, EngineConfig(max_model_len=48, num_pages=64, show_progress=False, check_every_step=True))
     long_group = 2
     driver = RolloutDriver(engine, ByteTokenizer(), "test_long_second_turn", {"long_seed": mix_seed(1, long_group)},
-                           group_size=3, groups_per_iteration=4, max_new_tokens=4, sampling={"temperature": 1.0},
-                           seed=1, throttle=ThrottleConfig())
+                           DriverConfig(groups_per_iteration=4, max_new_tokens=4), group_size=3, seed=1)
     metrics = driver.run_iteration()
     groups = driver.take_finished_groups()
     assert metrics["rollout_dropped_too_long"] == 3 and metrics["env_errors"] == 0

@@ -73,7 +73,7 @@ def test_resident_reference_host_pool_and_parked_rollouts(tmp_path):
     """A resident reference is a second model on the device; the host pool is its pages; paused
     partial rollouts parked over the train phase stay within the planned bound (inside the pool)."""
     overrides = ["algo.loss.kl_coef=0.05", "memory.reference=resident", "rollout.max_new_tokens=6",
-                 "rollout.budget_tokens=40", "rollout.partial_resume=kv", "memory.host_pool_mb=4"]
+                 "rollout.budget_tokens=40", "rollout.partial_resume=kv", "engine.host_pool_mb=4"]
     cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, *overrides)
     run(cfg)
     plan = make_plan(cfg, CPU, PlanOptions(seq_len=prompt_len() + 6))
@@ -127,17 +127,17 @@ def test_activation_probe_follows_the_moe_form_the_device_runs(dtype):
 
 def test_the_largest_pool_fits_and_one_more_mib_does_not():
     small = ClusterConfig(name="small", gpu_memory_gib=0.1)
-    workload = ["rollout.max_model_len=64", "rollout.groups_per_iteration=2", "algo.group_size=2"]
+    workload = ["engine.max_model_len=64", "rollout.groups_per_iteration=2", "algo.group_size=2"]
     best = make_plan(composed(*workload), small).max_pool_mb
     assert 16 < best < 100
-    fitting = make_plan(composed(*workload, f"memory.pool_mb={best}"), small)
+    fitting = make_plan(composed(*workload, f"engine.pool_mb={best}"), small)
     assert fitting.fits and fitting.max_pool_mb == best
-    over = make_plan(composed(*workload, f"memory.pool_mb={best + 1}"), small)
+    over = make_plan(composed(*workload, f"engine.pool_mb={best + 1}"), small)
     assert [(v.tier, v.phase) for v in over.verdicts if not v.fits] == [("device", "load_weights")]
 
 
 def test_the_longest_context_is_the_one_the_engine_accepts():
-    cfg = composed("memory.pool_mb=1")
+    cfg = composed("engine.pool_mb=1")
     plan = make_plan(cfg, CPU)
     longest = plan.longest_context(plan.sizes.pool_pages)
     model = HybridLM(cfg.model)
@@ -154,15 +154,15 @@ def printed(argv: list[str]) -> tuple[int, str]:
     return status, console.export_text()
 
 
-SIZE_48B = ["cluster=h200x8", "model=kimi_linear_48b_a3b", "rollout.max_model_len=512", "trainer.micro_batch_tokens=512",
+SIZE_48B = ["cluster=h200x8", "model=kimi_linear_48b_a3b", "engine.max_model_len=512", "trainer.micro_batch_tokens=512",
             "rollout.groups_per_iteration=8", "algo.group_size=2"]
 
 
 def test_command_line_plans_the_48b_model_on_one_h200_node(tmp_path):
-    status, text = printed([*SIZE_48B, "experiment.dtype=bf16", "trainer.num_chunks=27", "memory.pool_mb=4096",
+    status, text = printed([*SIZE_48B, "experiment.dtype=bf16", "trainer.num_chunks=27", "engine.pool_mb=4096",
                             f"plan.png={tmp_path / 'memory.png'}"])
     assert status == 0, text
-    for line in ("device (per GPU): fits", "host (per node): fits", "largest memory.pool_mb that fits",
+    for line in ("device (per GPU): fits", "host (per node): fits", "largest engine.pool_mb that fits",
                  "longest context in this pool", "x 8 ranks (node)", "activation_peak"):
         assert line in text
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -170,7 +170,7 @@ def test_command_line_plans_the_48b_model_on_one_h200_node(tmp_path):
 
 def test_command_line_names_the_tier_that_does_not_fit(tmp_path):
     # fp32 weights of 48B parameters alone are ~183 GiB: more than an H200
-    status, text = printed([*SIZE_48B, "trainer.num_chunks=27", "memory.pool_mb=4096"])
+    status, text = printed([*SIZE_48B, "trainer.num_chunks=27", "engine.pool_mb=4096"])
     assert status == 1
     assert "device (per GPU): does not fit" in text and "short" in text
 

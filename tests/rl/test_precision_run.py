@@ -86,8 +86,8 @@ def test_dtype_values_are_checked_at_composition(monkeypatch):
     assert composed("experiment.dtype=bf16").experiment.torch_dtype == torch.bfloat16
     with pytest.raises(Exception, match=r"experiment.dtype='fp16', expected one of \['bf16', 'fp32'\]"):
         composed("experiment.dtype=fp16")
-    with pytest.raises(Exception, match=r"rollout.kda_state_dtype='int8', expected one of"):
-        composed("rollout.kda_state_dtype=int8")
+    with pytest.raises(Exception, match=r"engine.kda_state_dtype='int8', expected one of"):
+        composed("engine.kda_state_dtype=int8")
     monkeypatch.setattr(models.precision, "bf16_matmul_works", lambda device: False)
     with pytest.raises(Exception, match=r"experiment.dtype='bf16' requested on cpu, which has no working bf16 matmul"):
         composed("experiment.dtype=bf16")

@@ -12,8 +12,7 @@ from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
 from rl.ranks import Ranks, merge_metrics, require_same, weights_checksum
-from rl.rollout import RolloutDriver
-from rollout.dispatcher import ThrottleConfig
+from rl.rollout import DriverConfig, RolloutDriver
 from rollout.engine import Engine, EngineConfig
 
 
@@ -69,9 +68,9 @@ def test_merge_metrics_rules():
 def _driver(rank: int, world: int) -> RolloutDriver:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1)
     engine = Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False))
-    return RolloutDriver(engine, ByteTokenizer(), "majority_digit", {}, group_size=4, groups_per_iteration=5,
-                         max_new_tokens=3, sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0}, seed=11,
-                         throttle=ThrottleConfig(), rank=rank, world=world)
+    return RolloutDriver(engine, ByteTokenizer(), "majority_digit", {},
+                         DriverConfig(groups_per_iteration=5, max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0),
+                         group_size=4, seed=11, rank=rank, world=world)
 
 
 def test_two_ranks_generate_exactly_the_one_rank_trajectories():

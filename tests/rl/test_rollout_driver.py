@@ -7,9 +7,8 @@ import pytest
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.rollout import RolloutDriver, mix_seed
+from rl.rollout import DriverConfig, RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
-from rollout.dispatcher import ThrottleConfig
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 
@@ -60,12 +59,12 @@ def engine(**config) -> Engine:
 
 
 def driver(task="majority_digit", params=None, **kw) -> RolloutDriver:
-    args = dict(group_size=4, groups_per_iteration=3, max_new_tokens=4, sampling={"temperature": 1.0}, seed=1,
-                throttle=ThrottleConfig())
+    """A driver of 3 groups of 4, 4 new tokens per turn; `kw`: DriverConfig fields, or `engine`."""
     e = kw.pop("engine", None) or engine()
-    args.update(kw)
+    config = DriverConfig(**{"groups_per_iteration": 3, "max_new_tokens": 4} | kw)
     return RolloutDriver(e, ByteTokenizer(), task,
-                         {"length": 3} if params is None and task == "majority_digit" else (params or {}), **args)
+                         {"length": 3} if params is None and task == "majority_digit" else (params or {}), config,
+                         group_size=4, seed=1)
 
 
 def check_trajectory(t, max_new_tokens):
@@ -131,7 +130,7 @@ def test_later_turns_carry_turn_boundaries_into_the_engine_and_hit_the_prefix_ca
 
 @pytest.mark.parametrize("mode", ["recompute", "kv"])
 def test_partial_rollouts_carry_over_and_keep_versions(mode):
-    d = driver(budget_tokens=10, partial_resume=mode, max_new_tokens=6, sampling={"temperature": 1.0, "top_k": 0})
+    d = driver(budget_tokens=10, partial_resume=mode, max_new_tokens=6, temperature=1.0, top_k=0)
     versions_seen = set()
     finished = []
     for it in range(12):

@@ -45,8 +45,8 @@ def test_kv_partial_rollouts_park_in_the_host_pool_while_the_device_pool_is_rele
     """Budgeted rollouts leave requests paused with their KV; sleep parks it in the host KV pool,
     wake restores it, and the next iteration continues those trajectories."""
     cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=3", *SMALL, "rollout.max_new_tokens=6",
-                   "rollout.budget_tokens=40", "rollout.partial_resume=kv", "memory.host_pool_mb=4",
-                   "rollout.prefix_hash_block=16")
+                   "rollout.budget_tokens=40", "rollout.partial_resume=kv", "engine.host_pool_mb=4",
+                   "prefix_cache=on", "engine.prefix_cache.hash_block=16")
     history = run(cfg)
     assert sum(h["trajectories_carried"] for h in history[:-1]) > 0, "the budget should leave work to carry over"
     phases = records(tmp_path / "phases.jsonl")
@@ -144,7 +144,7 @@ def test_kill_with_states_spilled_then_resume_reproduces_the_uninterrupted_run(t
 
 
 def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
-    """rollout.kv_budget_tokens: the engine keeps each sequence's MLA cache within the budget
+    """kv_budget=... engine.kv_budget.budget_tokens: the engine keeps each sequence's MLA cache within the budget
     (InfiniGen: evicted tokens offloaded to host memory) while the loop trains as usual."""
     from rollout.engine import Engine
 
@@ -158,7 +158,7 @@ def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine, "stats", watched)
     cfg = composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, "rollout.max_new_tokens=48",
-                   "rollout.max_model_len=128", "rollout.kv_budget_tokens=40", "rollout.kv_policy=infinigen")
+                   "engine.max_model_len=128", "kv_budget=infinigen", "engine.kv_budget.budget_tokens=40")
     history = run(cfg)
     assert len(history) == 2 and all(h["groups_trained"] > 0 for h in history)
     assert evicted and max(evicted) > 0, "48 new tokens after the prompt must exceed a 40-token budget"
