@@ -236,13 +236,16 @@ class CacheManager:
         return [[s.kda_pages[g] for s in seqs] for g in range(self.num_kda_groups)]
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
-        """Pool accounting holds and every refcount equals the references sequences hold."""
+        """Pool accounting holds and every refcount equals the references sequences, the prefix
+        index and pending copies hold; the prefix index and host tier agree with themselves."""
         self.pool.check_integrity()
         held = Counter()
         if self.prefix is not None:  # the prefix index holds one reference per page it knows
             self.prefix.check_integrity()
             held.update(list(self.prefix.lru))
             held.update(self.prefix.pending_references())
+        elif self.host_tier is not None:  # parked sequences only
+            self.host_tier.check_integrity()
         for s in seqs:
             held.update(s.kda_pages)
             for group in s.mla_pages:

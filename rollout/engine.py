@@ -5,12 +5,12 @@
 
 `step()` is the whole pipeline, nano-vllm style, one method per stage: schedule -> prepare (who
 samples, from which generators) -> run the model on pool pages -> sample (forking prompts) ->
-postprocess (append, finish). Every KV tier is behind `self.cache` (rollout/cache_manager.py). Requests can be aborted, paused and resumed; `sleep()` hands the device
-pool back (nothing generated is lost: running sequences are recomputed after `wake()`; with a host
-KV pool, paused sequences' pages and the prefix cache's turn-boundary entries are written to host
-memory first and come back on `wake()` / on their next hit); `load_weights` installs a new policy
-version (tokens record which version sampled them, so partial rollouts that span versions stay
-attributable).
+postprocess (append, finish). Every KV tier is behind `self.cache` (rollout/cache_manager.py).
+Requests can be aborted, paused and resumed; `sleep()` hands the device pool back (nothing generated
+is lost: running sequences are recomputed after `wake()`; with a host KV pool, paused sequences'
+pages and the prefix cache's turn-boundary entries are written to host memory first and come back on
+`wake()` / on their next hit); `load_weights` installs a new policy version (tokens record which
+version sampled them, so partial rollouts that span versions stay attributable).
 """
 from __future__ import annotations
 

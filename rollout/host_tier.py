@@ -1,6 +1,6 @@
 """The host tier: host memory (memory/host_pool.py) as the second home of KV pages.
 
-One implementation of moving pages between the device pool and host pages (*slots*), for both users:
+One implementation of moving pages between the device pool and host pages (*slots*), for two users:
 - the prefix cache (rollout/prefix_cache.py): `write_back` of a bundle it evicts, `prefetch`
   before a hit on the host, `mirror` (write-through) copies; its host entries are `lru`;
 - the engine's sleep/wake: `park` paused sequences' pages before the device pool goes, `unpark`
@@ -9,8 +9,8 @@ Room is made the same way for both (`room`): clean mirrors first, then the least
 cached entries (the prefix cache drops them through `evict_entry`), never one being prefetched.
 A device page with a `mirrors` entry has a clean copy on the host: evicting it again costs no copy.
 Prefetch and write-through copies join the step's `PageCopies` (run right before the forward
-pass). Slots of cached entries, mirrors and
-parked sequences are distinct and allocated (`check_integrity`).
+pass). Slots of cached entries, mirrors and parked sequences are distinct and allocated
+(`check_integrity`).
 """
 from __future__ import annotations
 

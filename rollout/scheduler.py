@@ -2,13 +2,15 @@
 
 Each step the scheduler decides how many new tokens each sequence computes:
 1. running sequences, oldest admission first: a decoding sequence computes its 1 sampled token,
-   a sequence still prefilling computes its next chunk (as much as the remaining budget allows);
+   a sequence still prefilling computes its next chunk (as much as the remaining budget and the
+   cache's `chunk` limit allow: a KV budget, hash-block and turn boundaries);
    when the pool cannot hold the growth, the most recently admitted running sequence is
    preempted (its pages freed, its tokens kept, `num_computed` reset: it will be recomputed), and
    as a last resort paused sequences are preempted too — the engine never crashes on a full pool;
 2. waiting sequences, first come first served, are admitted while budget, `max_num_seqs` and
    free pages allow (admission never preempts anyone).
-Bookkeeping only: no tensors here (nano-vllm's split, testable on its own).
+Bookkeeping only: no tensors here (nano-vllm's split, testable on its own). The scheduler alone
+edits its queues; it reaches the KV tiers only through the cache manager's phase methods.
 """
 from __future__ import annotations
 
