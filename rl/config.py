@@ -1,11 +1,19 @@
-"""The run's configuration: dataclass schemas registered with Hydra's ConfigStore.
+"""The run's configuration: `RunConfig`, whose groups are the components' own config dataclasses.
 
-`configs/config.yaml` composes one option per group (`configs/{model,task,algo,rollout,memory,
-trainer,experiment}`) onto `RunConfig`; because every group is a typed schema, a misspelt key
-(`rollout.max_new_tokns=8`) or a wrong type (`trainer.num_chunks=two`) fails at composition with
-Hydra's message naming the key, and value checks (a negative budget, an unknown loss) fail in the
-schemas' `__post_init__` when `to_run_config` builds the objects, naming the value and what was
-expected. `experiment=cpu_demo` (the default) is a `# @package _global_` file overriding groups.
+`configs/config.yaml` composes one option per group onto `RunConfig`: `rollout` is the driver's
+`DriverConfig` (rl/rollout.py), `engine` the rollout engine's `EngineConfig` (rollout/engine_config.py;
+its optional `prefix_cache` and `kv_budget` nodes are null until the groups `prefix_cache=on` /
+`kv_budget=h2o|infinigen` merge into them), `trainer` the `TrainerConfig` (trainer/step.py), and
+`model`, `task`, `algo`, `memory`, `experiment`, `tracking`, `checkpoint` (here and beside their
+code). Each knob has one name and one default, the dataclass's: the group files restate none, and
+`experiment=cpu_demo` (the default, a `# @package _global_` file) holds the demo's choices. Because
+every group is a typed schema, a misspelt key (`rollout.max_new_tokns=8`) or a wrong type
+(`trainer.num_chunks=two`) fails at composition with Hydra's message naming the key; value checks
+run in each dataclass's `__post_init__` when `to_run_config` builds it, the message prefixed with
+the key's path (`engine.max_model_len=1, expected >= 2`), and `RunConfig` checks what spans groups.
+Keys renamed by this layout (RENAMED_KEYS and the group selections) still work for one release:
+`upgrade_overrides` rewrites them with a warning naming the new key, `upgrade_stored_config` reads
+an older checkpoint's stored config in the new names.
 """
 from __future__ import annotations
 
@@ -216,6 +224,7 @@ class RunConfig:
 
     @property
     def has_host_pool(self) -> bool:
+        """Whether the engine gets a host KV pool (engine.host_num_pages, else engine.host_pool_mb)."""
         e = self.engine
         return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb > 0
 
@@ -382,8 +391,8 @@ def _build_groups(node: DictConfig, path: str) -> None:
         OmegaConf.to_object(node)
     except ValueError as err:
         message = str(err).removeprefix(path).removeprefix(path.split(".")[-2] + ".")
-        named = {f.name for f in fields(OmegaConf.get_type(node))}
-        if re.match(r"\w+", message) and re.match(r"\w+", message)[0] in named:
+        first = re.match(r"\w+", message)  # the field the message starts with, if it names one
+        if first and first[0] in {f.name for f in fields(OmegaConf.get_type(node))}:
             raise ValueError(f"{path}{message}") from None
         raise ValueError(f"{path[:-1]}: {message}") from None
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from rl.config import CONFIGS, DeprecatedKeyWarning, RunConfig, compose_run_config, upgrade_overrides
+from rl.config import (CONFIGS, PREFIX_CACHE_MODEL_ID, DeprecatedKeyWarning, RunConfig, compose_run_config,
+                       upgrade_overrides)
 from rl.train import resolved_config
 
 
@@ -107,7 +108,7 @@ def test_the_default_run_resolves_to_the_pinned_values():
 
 def test_the_optional_engine_nodes_are_groups():
     cfg = composed("prefix_cache=on", "engine.prefix_cache.hash_block=32")
-    assert cfg.engine.prefix_cache.hash_block == 32 and cfg.engine.prefix_cache.model_id == "policy"
+    assert cfg.engine.prefix_cache.hash_block == 32 and cfg.engine.prefix_cache.model_id == PREFIX_CACHE_MODEL_ID == "policy"
     assert composed().engine.prefix_cache is None and composed().engine.kv_budget is None
     cfg = composed("kv_budget=infinigen", "engine.kv_budget.budget_tokens=64")
     assert cfg.engine.kv_budget.budget_tokens == 64 and cfg.engine.kv_budget.policy == "infinigen"
