@@ -105,8 +105,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
-        longest = config.max_model_len if config.kv_budget is None else min(config.max_model_len,
-                                                                            config.kv_budget.budget_tokens)
+        longest = config.longest_kv_tokens
         max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
         if max_pages > self.pool.num_pages:
             raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
