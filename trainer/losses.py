@@ -352,13 +352,10 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
         segments = Segments.of_rows(logp.shape, logp.device)
         if advantages.ndim == 1:
             advantages = advantages[:, None].expand_as(logp)  # [B, T]
-        logp, old_logp, advantages, mask = (x.reshape(-1) for x in (logp, old_logp, advantages, mask))
-        behaviour_logp, ref_logp, entropy = (None if x is None else x.reshape(-1)
-                                             for x in (behaviour_logp, ref_logp, entropy))
-    if config.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp, got None")
-    if config.entropy_coef > 0 and entropy is None:
-        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy, got None")
+        logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy = (
+            None if x is None else x.reshape(-1)
+            for x in (logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy))
+    _check_coefficients(config, ref_logp, entropy)
 
     def valid(x: Tensor) -> Tensor:
         # masked-out positions may hold anything (NaN); zero them so they cannot poison sums or grads
@@ -371,16 +368,7 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
         return chosen(values, where, segments)
 
     num_tokens = mask.sum()
-    # Metrics stay 0-dim tensors until the end, where they and the input checks' counts reach the
-    # host in one transfer: one host sync per call (on CUDA every .item() would be one).
-    def item(x: Tensor) -> Tensor:
-        return x.detach().float()
-
-    def frac(flags: Tensor) -> Tensor:
-        return item((flags & mask).sum() / num_tokens)
-
-    def masked_max(x: Tensor) -> Tensor:
-        return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
+    item, frac, masked_max = _metric_helpers(mask, num_tokens)
 
     out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config)
     pg = out.loss  # [N]
@@ -410,7 +398,31 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     return loss, dict(zip(names, values[len(_CHECK_NAMES):]))
 
 
+def _metric_helpers(mask: Tensor, num_tokens: Tensor) -> tuple[Callable, Callable, Callable]:
+    """(item, frac, masked_max) over the valid tokens. Metrics stay 0-dim tensors until rl_loss's end,
+    where they and the input checks' counts reach the host in one transfer: one host sync per call
+    (on CUDA every .item() would be one)."""
+    def item(x: Tensor) -> Tensor:
+        return x.detach().float()
+
+    def frac(flags: Tensor) -> Tensor:
+        return item((flags & mask).sum() / num_tokens)
+
+    def masked_max(x: Tensor) -> Tensor:
+        return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
+
+    return item, frac, masked_max
+
+
 # ---- validation ----------------------------------------------------------------------------------------
+def _check_coefficients(config: LossConfig, ref_logp: Tensor | None, entropy: Tensor | None) -> None:
+    """A nonzero coefficient needs its input."""
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp, got None")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy, got None")
+
+
 def _as_float(x: Tensor) -> Tensor:
     """fp32 for half/bf16/integer inputs; float32 and float64 are kept (float64 serves gradient checks)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
