@@ -114,9 +114,7 @@ class Phases:
         weights = _storage_bytes(self.policy.parameters(), seen) + _storage_bytes(engine.model.parameters(), seen)
         resident_ref = _storage_bytes(ref.parameters(), seen) if isinstance(ref, HybridLM) else 0
         host = engine.host
-        # paused sequences' host pages over a sleep (rollout/engine.py `_park_paused`); a page shared
-        # by forks is one page
-        parked = {s for kda, mla in engine._parked.values() for s in kda + [x for g in mla for x in g]}
+        parked = engine.cache.num_parked_pages  # paused sequences' host pages over a sleep (forks share)
         kinds = optimizer.host_bytes_by_kind()
         out = with_totals({
             "device_weights": weights,
@@ -127,7 +125,7 @@ class Phases:
             "host_masters": kinds["masters"], "host_moments": kinds["moments"],
             "host_grads": max(kinds["grads"], self._peaks.get("host_grads", 0)),
             "host_pool": host.pool_bytes if host is not None else 0,
-            "host_parked": len(parked) * host.page_bytes if host is not None else 0,
+            "host_parked": parked * host.page_bytes if host is not None else 0,
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
             "disk_spilled": optimizer.disk_bytes})
         out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)

@@ -370,12 +370,6 @@ class Engine:
         self.cache.wake(self.scheduler.paused)
         self.runner.invalidate_views()
 
-    @property
-    def _parked(self) -> dict[int, tuple[list[int], list[list[int]]]]:
-        """Paused seq_id -> its host pages over a sleep; read by rl/orchestrator.py until it reads
-        `cache.num_parked_pages`."""
-        return self.cache.host_tier.parked if self.cache.host_tier is not None else {}
-
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy external policy weights into the engine's model (our parameter names, strict) and tag
         later tokens with `version`. An engine built on the trainer's own model needs no copy: its
