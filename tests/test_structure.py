@@ -1,6 +1,7 @@
 """The code's shape, checked on its own source: no import circles (TYPE_CHECKING and function-level
 imports included), no file over 500 lines, no function over 80 lines outside Triton kernels."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -104,8 +105,6 @@ def test_file_and_function_lengths(path: Path):
 def test_the_engine_and_scheduler_use_the_cache_facade_only():
     """rollout/engine.py and rollout/scheduler.py call CacheManager's phase methods: never its prefix
     cache, its evictor's internals, or the scheduler's queues from outside the scheduler."""
-    import re
-
     pattern = re.compile(r"cache\.prefix|\.evictor\.|scheduler\.running\[")
     hits = [f"{name}:{i}: {line.strip()}" for name in ("rollout/engine.py", "rollout/scheduler.py")
             for i, line in enumerate((ROOT / name).read_text().splitlines(), 1) if pattern.search(line)]
