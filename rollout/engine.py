@@ -111,7 +111,7 @@ class Engine:
             raise ValueError(f"pool of {self.pool.num_pages} pages cannot hold one sequence of {longest} tokens "
                              f"({max_pages} pages; max_model_len={config.max_model_len}): lower max_model_len (or "
                              f"the KV budget) or grow the pool to >= {self.layout.pool_mb_for(max_pages)} MiB "
-                             f"(memory.pool_mb)")
+                             f"(engine.pool_mb)")
         self.policy_version = 0
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -173,12 +173,12 @@ class Engine:
         if prompt_len < cfg.max_model_len:
             return
         needed = self.cache.pages_for_tokens(prompt_len + 1)
-        grow = (f" and the pool to >= {self.layout.pool_mb_for(needed)} MiB (memory.pool_mb)"
+        grow = (f" and the pool to >= {self.layout.pool_mb_for(needed)} MiB (engine.pool_mb)"
                 if needed > self.pool.num_pages else "")
         raise ContextTooLong(
             f"prompt of {prompt_len} tokens does not fit max_model_len={cfg.max_model_len} (need room for at least "
             f"one generated token: {prompt_len + 1} tokens, {needed} pages; the pool has {self.pool.num_pages} pages "
-            f"of {self.layout.page_bytes:,} bytes): shorten the prompt or raise max_model_len (rollout.max_model_len) "
+            f"of {self.layout.page_bytes:,} bytes): shorten the prompt or raise max_model_len (engine.max_model_len) "
             f"to >= {prompt_len + 1}{grow}",
             num_tokens=prompt_len, max_model_len=cfg.max_model_len, pages_needed=needed,
             pool_pages=self.pool.num_pages)

@@ -72,7 +72,7 @@ def test_spilling_the_optimizer_states_to_nvme_leaves_the_run_bit_identical(tmp_
         [m["reward_mean"] for m in records(plain / "metrics.jsonl")]
     phases = records(spilled / "phases.jsonl")
     assert [(r["iteration"], r["phase"]) for r in phases if r["iteration"] == 1] == \
-        [(1, p) for p in ["wake", "load_weights", "rollout", "sleep", "restore", "train", "offload", "checkpoint"]]
+        [(1, p) for p in ["wake", "load_weights", "rollout", "sleep", "restore", "train", "checkpoint", "offload"]]
     by = {(r["iteration"], r["phase"]): r for r in phases}
     trained_host = by[(0, "train")]["memory"]["train_host"]
     for it in (0, 1, 2):
@@ -80,6 +80,12 @@ def test_spilling_the_optimizer_states_to_nvme_leaves_the_run_bit_identical(tmp_
         assert off["bytes_moved"] > 0 and off["memory"]["train_disk"] >= off["bytes_moved"]
         assert off["memory"]["train_host"] < trained_host // 100  # only scalar step counters stay resident
         assert by[(it, "train")]["memory"]["train_disk"] == 0 and by[(it, "train")]["memory"]["train_host"] == trained_host
+        # the checkpoint reads the states from host memory, before the offload: never from the spill,
+        # so each state is written once (offload) and read once (restore) per iteration
+        ckpt = by[(it, "checkpoint")]["memory"]
+        assert ckpt["train_disk"] == 0 and ckpt["train_host"] == trained_host
+        assert [r["phase"] for r in phases if r["iteration"] == it and r["bytes_moved"]
+                and r["phase"] not in ("sleep", "offload", "restore")] == []
     for it in (1, 2):
         assert by[(it, "rollout")]["memory"]["train_disk"] > 0  # spilled while generating
         assert by[(it, "restore")]["bytes_moved"] == by[(it - 1, "offload")]["bytes_moved"]

@@ -41,9 +41,9 @@ def test_a_prompt_over_max_model_len_is_refused_with_its_numbers_and_changes_not
         needed = len(layout.kda_groups) + len(layout.mla_groups) * math.ceil((prompt_len + 1) / layout.block_tokens)
         message = str(err.value)
         for words in (f"prompt of {prompt_len} tokens", "max_model_len=40", f"{prompt_len + 1} tokens",
-                      f"{needed} pages", "the pool has 16 pages", "rollout.max_model_len", f">= {prompt_len + 1}"):
+                      f"{needed} pages", "the pool has 16 pages", "engine.max_model_len", f">= {prompt_len + 1}"):
             assert words in message, message
-        assert "memory.pool_mb" not in message  # these pages fit the pool: only the length limit is in the way
+        assert "engine.pool_mb" not in message  # these pages fit the pool: only the length limit is in the way
         e = err.value
         assert isinstance(e, ValueError)
         assert (e.num_tokens, e.max_model_len, e.pages_needed, e.pool_pages) == (prompt_len, 40, needed, 16)
@@ -75,7 +75,7 @@ def test_a_prompt_the_pool_could_not_hold_names_the_pool_that_would(tiny_model):
         engine.check_context(prompt_len)
     message = str(err.value)
     for words in (f"prompt of {prompt_len} tokens", f"{needed} pages", "the pool has 16 pages",
-                  f">= {prompt_len + 1}", f"pool to >= {mb} MiB (memory.pool_mb)"):
+                  f">= {prompt_len + 1}", f"pool to >= {mb} MiB (engine.pool_mb)"):
         assert words in message, message
     # the figure is the smallest pool, in whole MiB, an engine of that max_model_len is built with
     Engine(tiny_model, EngineConfig(pool_mb=mb, max_model_len=prompt_len + 1, show_progress=False))
