@@ -142,6 +142,11 @@ class CacheManager:
         if self.prefix is not None:
             self.prefix.set_version(version)
 
+    @property
+    def num_evictable_pages(self) -> int:
+        """Used pool pages that only the prefix cache holds: eviction frees them on demand."""
+        return self.prefix.num_evictable if self.prefix is not None else 0
+
     def stats(self) -> dict[str, float]:
         """The token evictor's counters, `kv_`-prefixed (none without a KV budget)."""
         return {f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {}

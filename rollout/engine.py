@@ -213,11 +213,16 @@ class Engine:
         return self.scheduler.has_work
 
     def stats(self) -> dict[str, float]:
-        """Runtime signals (for logging and, later, auto-throttling): queue sizes, pool use, preemptions."""
+        """Runtime signals (logging, the dispatcher's auto-throttle): queue sizes, pool use, preemptions.
+        `pool_utilization` counts the pages sequences hold: pages only the prefix cache holds
+        (`pool_pages_evictable`) are free for the throttle, since eviction hands them out on demand."""
         sched = self.scheduler
+        evictable = self.cache.num_evictable_pages
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
-                "pool_utilization": self.pool.num_used / self.pool.num_pages, "peak_pages_used": self.peak_pages_used,
+                "pool_pages_evictable": evictable,
+                "pool_utilization": (self.pool.num_used - evictable) / self.pool.num_pages,
+                "peak_pages_used": self.peak_pages_used,
                 "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version,
                 **self.cache.stats()}
 

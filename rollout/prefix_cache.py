@@ -60,6 +60,12 @@ class PrefixCache:
         return self.store.lru
 
     @property
+    def num_evictable(self) -> int:
+        """Device pages only the index holds (refcount 1): free for a sequence that needs them, as
+        far as the pool's pressure goes (an upper bound: a bundle goes only whole)."""
+        return sum(self.pool.refcount(p) == 1 for p in self.lru)
+
+    @property
     def salt(self) -> bytes:
         return cache_salt(self.config.model_id, 0 if self.config.reuse_stale else self.version)
 

@@ -3,6 +3,7 @@ import pytest
 
 from rollout.dispatcher import AutoLimit, Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
+from rollout.prefix_config import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.conftest import greedy_reference
 
@@ -46,3 +47,44 @@ def test_multi_turn_follow_ups_complete_with_the_plain_models_tokens(tiny_model,
     if max_concurrency is not None:
         assert max(peak) < max_concurrency + 1
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def cached_engine(model, num_pages: int) -> Engine:
+    return Engine(model, EngineConfig(num_pages=num_pages, max_model_len=160, show_progress=False,
+                                      check_every_step=True,
+                                      prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))
+
+
+def test_pages_only_the_prefix_cache_holds_count_as_free_for_the_throttle(tiny_model):
+    """Finished requests leave their prefixes cached: the pool fills with pages only the index holds.
+    The throttle sees them as free (eviction hands them out on demand), so its limit grows."""
+    engine = cached_engine(tiny_model, num_pages=24)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    for i in range(12):  # one at a time, distinct prompts: each leaves its prefix cached
+        engine.generate([[3 + i] * 70], params)
+    stats, config = engine.stats(), ThrottleConfig(auto_start=8, high_watermark=0.75)
+    assert engine.pool.num_used >= config.high_watermark * engine.pool.num_pages  # the cache filled the pool
+    assert stats["pool_pages_evictable"] == engine.pool.num_used and stats["pool_utilization"] == 0
+    assert AutoLimit(config).update(stats) == 10  # grows: counting cached pages as used, it would hold at 8
+
+
+def test_with_the_prefix_cache_on_the_auto_limit_grows_without_preemptions(tiny_model):
+    """Multi-turn conversations sharing a system prompt through the dispatcher's auto-throttle, cache
+    on: the limit grows past its start and nothing is preempted."""
+    engine = cached_engine(tiny_model, num_pages=48)
+    dispatcher = Dispatcher(engine, ThrottleConfig(auto_start=2))
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    system = [5] * 32
+
+    def follow_up(out):
+        if len(out.prompt) > 90:
+            return []
+        return [Submission(out.prompt + out.samples[0].tokens + [9] * 12, params, follow_up)]
+
+    for c in range(12):
+        dispatcher.add(Submission(system + [20 + c] * 8, params, follow_up))
+    outputs = dispatcher.run()
+    assert len(outputs) == 12 * 5
+    assert engine.cache.prefix.hit_tokens > 0
+    assert engine.stats()["preemptions"] == 0
+    assert max(dispatcher.auto.history) > 2
