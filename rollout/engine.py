@@ -86,7 +86,8 @@ class Engine:
         dtype = model.output_weight.dtype  # the MLA cache holds latents in the model's dtype
         self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype,
                                             state_dtype=parse_dtype(config.kda_state_dtype),
-                                            block_tokens=config.block_tokens)
+                                            block_tokens=config.block_tokens,
+                                            hash_block=config.prefix_cache.hash_block if config.prefix_cache else None)
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
                      else PagePool.from_bytes(self.layout, config.pool_mb << 20, device))
