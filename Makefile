@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
 # Both create .venv if missing and install the pinned dependencies (torch first, so pip never
-# swaps in a multi-GB CUDA build), plus the apt packages DeepSpeed's async_io needs when root.
+# swaps in a multi-GB CUDA build), plus the apt packages DeepSpeed's async_io needs when root,
+# then build the JIT-compiled ops once (kernels/prebuild.py), so no run compiles on its hot path.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -31,6 +32,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	$(PY) -c "import torch, megatron.core, deepspeed, triton, hydra, wandb, transformers; print('installed torch', torch.__version__)"
+	@echo "building the JIT ops once (fused CPU kernels, DeepSpeed async_io + cpu_adam; ~4 min the first time, cached in .cache/)"
+	$(PY) -m kernels.prebuild
 	touch $(STAMP)
 
 # libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. g++: JIT-built C++ ops (kernels/cpu/). Installed only when root

@@ -8,9 +8,10 @@ be built here; `kernels.impl.default_impl()` then picks "naive".
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
+
+from kernels.jit import announce_build
 
 _SOURCE = Path(__file__).with_name("kda_cpu.cpp")
 _NAME = "hybridrl_kda_cpu"
@@ -21,10 +22,9 @@ def ops():
     """The compiled module (kda_decode_step, kda_conv_step, moe_route_dense), or None if it cannot be built."""
     if "module" not in _state:
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load
+            from torch.utils.cpp_extension import load
 
-            if not list(Path(_get_build_directory(_NAME, verbose=False)).glob("*.so")):
-                print(f"building the fused CPU kernels ({_SOURCE.name}, once: ~30 s)...", file=sys.stderr, flush=True)
+            announce_build(_NAME, f"the fused CPU kernels ({_SOURCE.name})")
             _state["module"] = load(name=_NAME, sources=[str(_SOURCE)],
                                     extra_cflags=["-O3"],
                                     verbose=False)
