@@ -249,10 +249,12 @@ class RunConfig:
     @property
     def cache_layout(self) -> CacheLayout:
         """The rollout engine's page geometry (rollout/engine.py builds the same): MLA latents in the
-        run's dtype (the model's output weight, never kept FP32), KDA states in engine.kda_state_dtype."""
+        run's dtype (the model's output weight, never kept FP32), KDA states in engine.kda_state_dtype,
+        block_tokens a multiple of the prefix cache's hash block when there is one."""
         e = self.engine
         return CacheLayout.for_model(self.model, group_layers=e.group_layers, block_tokens=e.block_tokens,
-                                     cache_dtype=self.experiment.torch_dtype, state_dtype=parse_dtype(e.kda_state_dtype))
+                                     cache_dtype=self.experiment.torch_dtype, state_dtype=parse_dtype(e.kda_state_dtype),
+                                     hash_block=e.prefix_cache.hash_block if e.prefix_cache else None)
 
 
 # ---- keys renamed when the groups became the components' own configs (accepted for one release) ----

@@ -176,7 +176,9 @@ def render(plan: Plan, console: Console) -> None:
                   f"smallest chunk peak {fmt_bytes(min(peaks))}")
     layout = sizes.layout
     console.print(f"KV pool: {sizes.pool_pages:,} pages of {fmt_bytes(layout.page_bytes)} ({layout.block_tokens} "
-                  f"tokens per MLA page); one sequence of engine.max_model_len={cfg.engine.max_model_len:,} "
+                  f"tokens per MLA page; padding {layout.kda_padding_fraction:.1%} of each KDA page, "
+                  f"{layout.mla_padding_fraction:.1%} of each MLA page); "
+                  f"one sequence of engine.max_model_len={cfg.engine.max_model_len:,} "
                   f"takes {layout.sequence_pages(cfg.engine.max_model_len)} pages; longest context in this pool: "
                   f"{_tokens(plan.longest_context(sizes.pool_pages))} (rollout KV only: train at that length is another plan.seq_len)")
     max_pages = (plan.max_pool_mb << 20) // layout.page_bytes

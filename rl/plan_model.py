@@ -97,10 +97,13 @@ def meta_policy(cfg: RunConfig) -> HybridLM:
 
 
 def cache_layout(cfg: RunConfig) -> CacheLayout:
-    """The engine's page geometry (rollout/engine.py: MLA cache in the output weight's dtype)."""
-    return CacheLayout.for_model(cfg.model, group_layers=cfg.engine.group_layers, block_tokens=cfg.engine.block_tokens,
+    """The engine's page geometry (rollout/engine.py: MLA cache in the output weight's dtype, block_tokens
+    a multiple of the prefix cache's hash block when there is one)."""
+    e = cfg.engine
+    return CacheLayout.for_model(cfg.model, group_layers=e.group_layers, block_tokens=e.block_tokens,
                                  cache_dtype=meta_policy(cfg).output_weight.dtype,
-                                 state_dtype=parse_dtype(cfg.engine.kda_state_dtype))
+                                 state_dtype=parse_dtype(e.kda_state_dtype),
+                                 hash_block=e.prefix_cache.hash_block if e.prefix_cache else None)
 
 
 def _param_bytes(params) -> int:

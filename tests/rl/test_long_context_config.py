@@ -90,6 +90,7 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
 @pytest.mark.parametrize("overrides, build_engine", [
     ([], True), (["engine.kda_state_dtype=bf16"], True), (["experiment.dtype=bf16"], True),
     (["model=kimi_linear_mid", "engine.pool_mb=64"], False),  # the planner's figures only: a 0.43B model
+    (["prefix_cache=on", "engine.prefix_cache.hash_block=48"], True),  # 48-token pages: 64 is no multiple of 48
 ])
 def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_engine):
     cfg = composed(*overrides)
@@ -101,7 +102,7 @@ def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_
     if build_engine:
         model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
         engine = Engine(model, EngineConfig(kda_state_dtype=cfg.engine.kda_state_dtype, show_progress=False,
-                                            pool_mb=cfg.engine.pool_mb))
+                                            pool_mb=cfg.engine.pool_mb, prefix_cache=cfg.engine.prefix_cache))
         assert engine.layout == layout
         assert [engine.cache.pages_for_tokens(n) for n in lengths] == by_hand
 
