@@ -7,7 +7,9 @@ conversation so far plus `--user-tokens` new tokens, and the model answers `--an
 greedy tokens, so contexts grow turn by turn. The device pool is small (`--pages`), so sending
 everything at once forces preemptions (recompute) while sending too little leaves the engine
 idle. Each setting runs the same workload on a fresh engine, all in this run, in `--repeats`
-interleaved rounds (each setting's fastest round counts); throughput is generated tokens per second. Final line:
+interleaved rounds (each setting's fastest round counts); throughput is generated tokens per second.
+`--prefix-cache 16` runs every setting with the prefix cache on (later turns hit earlier ones; the
+throttle counts pages only the cache holds as free). Final line:
 auto_vs_best_fixed=... auto_vs_worst_fixed=... preemptions_auto=... preemptions_best_fixed=...
 """
 from __future__ import annotations
@@ -21,12 +23,14 @@ from models.config import load_model_config
 from models.model import HybridLM
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
+from rollout.prefix_config import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 
 
 def run_setting(model: HybridLM, args: argparse.Namespace, max_concurrency: int | None) -> dict[str, float]:
+    cache = (PrefixCacheConfig(hash_block=args.prefix_cache, model_id="tiny") if args.prefix_cache else None)
     engine = Engine(model, EngineConfig(num_pages=args.pages, max_model_len=args.max_len, show_progress=False,
-                                        max_num_batched_tokens=512))
+                                        max_num_batched_tokens=512, prefix_cache=cache))
     dispatcher = Dispatcher(engine, ThrottleConfig(max_concurrency=max_concurrency))
     gen = torch.Generator().manual_seed(0)
     user_turns = {c: [torch.randint(0, 256, (args.user_tokens,), generator=gen).tolist() for _ in range(args.turns)]
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--fixed", type=int, nargs="+", default=[2, 8, 32])
     p.add_argument("--repeats", type=int, default=2, help="rounds over all settings; each setting's best counts")
+    p.add_argument("--prefix-cache", type=int, default=None, metavar="HASH_BLOCK",
+                   help="turn the engine's prefix cache on with this hash block (every setting; later turns hit)")
     args = p.parse_args(argv)
     args.max_len = args.turns * (args.user_tokens + args.answer_tokens) + 1
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1).eval()
