@@ -216,12 +216,11 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Runtime signals (logging, the dispatcher's auto-throttle): queue sizes, pool use, preemptions.
         `pool_utilization` counts every used page, those only the prefix cache holds included
-        (`pool_pages_evictable`, reported apart): counting them as free let the auto-throttle
-        over-admit with the cache on (more preemptions, docs/rollout.md), so they still hold it."""
+        (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step):
+        counting them as free let the auto-throttle over-admit with the cache on (docs/rollout.md)."""
         sched = self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
-                "pool_pages_evictable": self.cache.num_evictable_pages,
                 "pool_utilization": self.pool.num_used / self.pool.num_pages,
                 "peak_pages_used": self.peak_pages_used,
                 "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version,

@@ -57,14 +57,14 @@ def cached_engine(model, num_pages: int) -> Engine:
 
 def test_the_engine_reports_the_pages_only_the_prefix_cache_holds(tiny_model):
     """Finished requests leave their prefixes cached: the pool fills with pages only the index holds,
-    reported as `pool_pages_evictable` (they still count in `pool_utilization`)."""
+    counted by `cache.num_evictable_pages` (they still count in `pool_utilization`)."""
     engine = cached_engine(tiny_model, num_pages=24)
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     for i in range(12):  # one at a time, distinct prompts: each leaves its prefix cached
         engine.generate([[3 + i] * 70], params)
     stats = engine.stats()
     assert engine.pool.num_used >= 0.75 * engine.pool.num_pages  # the cache filled the pool
-    assert stats["pool_pages_evictable"] == engine.pool.num_used
+    assert engine.cache.num_evictable_pages == engine.pool.num_used
     assert stats["pool_utilization"] == engine.pool.num_used / engine.pool.num_pages
 
 
