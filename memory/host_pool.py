@@ -8,6 +8,12 @@ prefetch and what to drop, and calls `store` (device -> host) and `load` (host -
 Its bytes are leased from the host-DRAM ledger (`memory/host_ledger.py`) before the buffer is
 allocated and returned by `close()`, so an oversized pool is a clear error, not an OOM kill.
 
+Lifecycle (time-multiplexing, SPEC §6): a pool may give its buffer and lease back between rollouts
+(`suspend`) and take a new lease, of any size holding its used slots, at the next one (`resume`);
+the books (tags, free list) stay, the bytes do not: rollout/host_spill.py writes the live slots to
+NVMe first and reads them back after. `unleased` builds a pool that starts suspended with no page
+(`engine.host_pool_mb=auto`: sized at each rollout from what the ledger has free).
+
 Counters: `bytes_stored` (device -> host) and `bytes_loaded` (host -> device), for the write-back vs
 write-through comparison. Invariant (`check_integrity`): free + used == num_pages; free <=> no tag;
 no duplicate in the free list.
@@ -37,6 +43,8 @@ class HostPagePool(PoolFigures):
         self._tags: list[tuple[str, int] | None] = [None] * num_pages
         self._free = list(range(num_pages))
         self._closed = False
+        self._suspended = False
+        self._pin = pin_memory
         self.bytes_stored = 0
         self.bytes_loaded = 0
 
@@ -46,9 +54,84 @@ class HostPagePool(PoolFigures):
             raise ValueError(f"host KV pool: {pool_bytes:,} bytes hold no page of {page_bytes:,} bytes")
         return cls(page_bytes, pool_bytes // page_bytes, **kw)
 
+    # ---- lifecycle: leased per rollout, time-multiplexed with the training states -------------------
+    @classmethod
+    def unleased(cls, page_bytes: int, ledger: HostLedger | None = None, consumer: str = "kv_pool",
+                 pin_memory: bool = False) -> "HostPagePool":
+        """A pool of no page, no buffer and no lease yet (`engine.host_pool_mb=auto`): `resume(n)`
+        leases and allocates it when the DRAM is free (the phase orchestrator, at each rollout)."""
+        pool = cls(page_bytes, 1, ledger=None, consumer=consumer, pin_memory=pin_memory)
+        pool.ledger, pool._tags, pool._free = ledger, [], []
+        pool.suspend()
+        return pool
+
+    @property
+    def is_suspended(self) -> bool:
+        """No buffer and no lease (`suspend`): the books stay, the bytes are gone until `resume`."""
+        return self._suspended
+
+    @property
+    def num_free(self) -> int:
+        return 0 if self._suspended else len(self._free)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes held (and leased): 0 while suspended."""
+        return 0 if self._suspended else self.num_pages * self.page_bytes
+
+    def suspend(self) -> None:
+        """Free the buffer and return its bytes to the ledger, keeping the books: used slots keep their
+        ids and group tags, their bytes are gone (the caller saved what it keeps, e.g. to NVMe through
+        rollout/host_spill.py). Nothing may be allocated, stored or loaded until `resume`."""
+        self._check_open()
+        if self._suspended:
+            return
+        leased = self.pool_bytes
+        self._buffer = torch.empty(0, self.page_bytes, dtype=torch.uint8)
+        self._suspended = True
+        if self.ledger is not None and leased:
+            self.ledger.release(self.consumer, leased)
+
+    def resume(self, num_pages: int) -> None:
+        """Lease `num_pages` pages from the ledger (HostBudgetExceeded: nothing changed) and allocate a
+        fresh, uninitialised buffer. Every used slot must lie below `num_pages` (the caller dropped the
+        others); the free list becomes the other slots."""
+        self._check_open()
+        if not self._suspended:
+            raise RuntimeError("host KV pool: resume() of a pool that is not suspended")
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"host KV pool: resume(num_pages={num_pages!r}), expected a positive integer")
+        used = [page for page, tag in enumerate(self._tags) if tag is not None]
+        if used and used[-1] >= num_pages:
+            raise ValueError(f"host KV pool: resume(num_pages={num_pages}) but slot {used[-1]} is in use; "
+                             f"drop the slots >= {num_pages} first")
+        if self.ledger is not None:
+            self.ledger.lease(self.consumer, num_pages * self.page_bytes)  # raises before anything changes
+        try:
+            self._buffer = torch.empty(num_pages, self.page_bytes, dtype=torch.uint8, pin_memory=self._pin)
+        except BaseException:
+            if self.ledger is not None:
+                self.ledger.release(self.consumer, num_pages * self.page_bytes)
+            raise
+        self._tags = (self._tags + [None] * num_pages)[:num_pages]
+        self._free = [page for page, tag in enumerate(self._tags) if tag is None]  # sorted: a valid heap
+        self._suspended = False
+
+    def used_slots(self) -> list[int]:
+        """Slots in use, ascending."""
+        return [page for page, tag in enumerate(self._tags) if tag is not None]
+
+    def buffer_rows(self, first: int, end: int) -> torch.Tensor:
+        """uint8 [end - first, page_bytes] view of consecutive slots (the NVMe round trip reads and
+        writes the buffer through these, no copy)."""
+        self._check_open()
+        if self._suspended:
+            raise RuntimeError("host KV pool: its buffer is released (suspended)")
+        return self._buffer[first:end]
+
     def allocate(self, num: int, group: tuple[str, int]) -> list[int]:
         """`num` free host pages tagged `group`; all or nothing (OutOfPages, nothing changed)."""
-        self._check_open()
+        self._check_leased()
         if num > len(self._free):
             raise OutOfPages(num, len(self._free))
         pages = [heapq.heappop(self._free) for _ in range(num)]
@@ -84,17 +167,18 @@ class HostPagePool(PoolFigures):
 
     def page_bytes_view(self, page: int) -> torch.Tensor:
         """uint8 [page_bytes] view of one host page (tests read entries through it)."""
-        self._check_open()
+        self._check_leased()
         return self._buffer[page]
 
     def close(self) -> None:
         """Free the buffer and return its bytes to the ledger."""
         if self._closed:
             return
+        leased = self.pool_bytes
         self._buffer = torch.empty(0, self.page_bytes, dtype=torch.uint8)
         self._closed = True
-        if self.ledger is not None:
-            self.ledger.release(self.consumer, self.pool_bytes)
+        if self.ledger is not None and leased:
+            self.ledger.release(self.consumer, leased)
 
     def check_integrity(self) -> None:
         if len(set(self._free)) != len(self._free):
@@ -105,7 +189,7 @@ class HostPagePool(PoolFigures):
                 raise AssertionError(f"host KV pool: page {page} tag {tag} disagrees with the free list")
 
     def _check_pairs(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> None:
-        self._check_open()
+        self._check_leased()
         if len(host_pages) != len(device_pages):
             raise ValueError(f"host KV pool: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         if pool.layout.page_bytes != self.page_bytes:
@@ -118,3 +202,8 @@ class HostPagePool(PoolFigures):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("host KV pool: used after close()")
+
+    def _check_leased(self) -> None:
+        self._check_open()
+        if self._suspended:
+            raise RuntimeError("host KV pool: used while suspended (its buffer and lease are returned; resume() first)")
