@@ -41,6 +41,11 @@ class MajorityDigit:
         self._answer = str(counts[0][1])
         return "".join(map(str, digits)) + "="
 
+    def demonstration(self, seed: int) -> list[str]:
+        """The one answer of a correct episode `seed` (starts that episode, as `reset(seed)` does)."""
+        self.reset(seed)
+        return [self._answer]
+
     def step(self, answer: str) -> StepResult:
         if not self._answer:
             raise RuntimeError("step() before reset()")

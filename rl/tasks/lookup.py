@@ -23,6 +23,13 @@ key of the table (~0); a policy that learned only the call syntax gets at most `
 always); copying the key and then guessing a digit averages call_reward + (1 - call_reward) / 9.
 Only copying the queried key into the call AND the returned digit into the answer scores 1, and no
 arithmetic is needed, so the tiny model can get there in a few hundred policy updates.
+A policy that answers the same text every time (a fixed letter, then a fixed digit) scores at most
+`constant_answer_ceiling`: num_keys/26 * call_reward + the rare exact hit (0.034 at 4 keys, 0.2).
+
+Demonstrations (`demonstration(seed)`): the answers of a good episode for a supervised warm-up
+(rl/warmup.py); `value=False` keeps the call correct and answers a random digit instead, so a
+policy that imitates them scores call_reward + (1 - call_reward) / 9 and RL has the copy of the
+returned value left to learn.
 """
 from __future__ import annotations
 
@@ -67,6 +74,23 @@ class KeyLookup:
     def query(self) -> str:
         """The key the current episode asks for ("" before reset())."""
         return self._query
+
+    @property
+    def constant_answer_ceiling(self) -> float:
+        """The best expected reward of a policy that gives the same answers in every episode: its call
+        letter is in the table num_keys/26 of the time, the queried key a quarter of that, and then a
+        fixed digit is the value 1/9 of the time."""
+        in_table = self.num_keys / 26
+        return in_table * self.call_reward + in_table / self.num_keys / 9 * (1 - self.call_reward)
+
+    def demonstration(self, seed: int, value: bool = True) -> list[str]:
+        """The answers, turn by turn, of a good episode `seed` (starts that episode: mutates the
+        environment as `reset(seed)` does): the call for the queried key, then its value, or with
+        `value=False` a digit drawn from 1..9 by a generator of its own (right 1/9 of the time)."""
+        self.reset(seed)
+        call = f"[{self._query}]" if self.brackets else self._query
+        digit = self._table[self._query] if value else str(random.Random(f"key_lookup demo {seed}").randint(1, 9))
+        return [call, digit]
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)

@@ -140,3 +140,44 @@ def test_bare_letter_calls_when_brackets_are_off():
     assert env.step(str(env.table[key])).reward == 1.0
     env.reset(3)
     assert env.step("[" + key + "]").done  # the bracketed form is not a call in this mode
+
+
+@pytest.mark.parametrize("brackets", [True, False])
+def test_a_demonstration_replayed_into_the_environment_scores_one(brackets):
+    env = make_task("key_lookup", brackets=brackets)
+    for seed in range(50):
+        answers = env.demonstration(seed)
+        assert env.query and answers[0] == (f"[{env.query}]" if brackets else env.query)
+        env.reset(seed)
+        assert [env.step(a).reward for a in answers] == [0.0, 1.0]
+        assert answers == env.demonstration(seed)  # deterministic per seed
+
+
+def test_a_demonstration_without_the_value_calls_right_and_guesses_the_digit():
+    env = make_task("key_lookup", brackets=False)
+    rewards = []
+    for seed in range(900):
+        call, digit = env.demonstration(seed, value=False)
+        assert call == env.query and digit in "123456789" and len(digit) == 1
+        env.reset(seed)
+        assert env.step(call).observation == f"={env.table[call]};"
+        rewards.append(env.step(digit).reward)
+    assert set(rewards) <= {0.2, 1.0}
+    # the digit is independent of the value: right ~1/9 of the time, so imitation scores ~0.2 + 0.8/9
+    assert abs(sum(rewards) / len(rewards) - (0.2 + 0.8 / 9)) < 0.04
+
+
+def test_no_constant_answer_beats_the_stated_ceiling():
+    env = make_task("key_lookup", brackets=False)
+    seeds = range(2000)
+    best = 0.0
+    for letter in string.ascii_lowercase:
+        for digit in "159":  # the digits are exchangeable: three stand for all nine
+            total = 0.0
+            for seed in seeds:
+                env.reset(seed)
+                result = env.step(letter)
+                total += result.reward if result.done else env.step(digit).reward
+            best = max(best, total / len(seeds))
+    assert best <= env.constant_answer_ceiling * 1.3
+    assert env.constant_answer_ceiling == pytest.approx(4 / 26 * (0.2 + 0.8 / 4 / 9))

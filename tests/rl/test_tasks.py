@@ -25,3 +25,11 @@ def test_registry_and_bad_values():
         make_task("nope")
     with pytest.raises(ValueError, match="length=2"):
         make_task("majority_digit", length=2)
+
+
+def test_majority_digit_demonstration_is_the_answer():
+    env = make_task("majority_digit", length=5)
+    for seed in range(30):
+        (answer,) = env.demonstration(seed)
+        env.reset(seed)
+        assert env.step(answer).reward == 1.0
