@@ -217,6 +217,13 @@ class RunConfig:
         layers, t = self.model.num_hidden_layers, self.trainer
         most = layers + 2 if t.chunk_split == "params" else layers
         if t.num_chunks > most:
+        if e.host_pool_mb == "auto" and e.host_num_pages is None and self.memory.spill_dir is None:
+            raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
+                             "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
+                             "memory.spill_dir or give engine.host_pool_mb in MiB")
+        if r.reuse_stale_prefix and e.prefix_cache is None:
+            raise ValueError("rollout.reuse_stale_prefix=true reuses the prefix cache's entries across iterations, but "
+                             "the prefix cache is off; add prefix_cache=on")
             raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
@@ -226,7 +233,7 @@ class RunConfig:
     def has_host_pool(self) -> bool:
         """Whether the engine gets a host KV pool (engine.host_num_pages, else engine.host_pool_mb)."""
         e = self.engine
-        return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb > 0
+        return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb == "auto" or e.host_pool_mb > 0
 
     def _check_pool(self) -> None:
         """The engine's "cannot hold one sequence" check, at composition (the same page formula)."""

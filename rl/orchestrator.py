@@ -1,9 +1,16 @@
 """The phase orchestrator: the one RL loop, explicit calls in order (SPEC §5.4).
 
 Per iteration:
-    wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT -> engine sleep
-    -> [restore training state, if spilled] -> TRAIN (reference logprobs, policy update) -> log
-    -> checkpoint -> offload training state (NVMe spill with memory.spill_dir).
+    [host_in] -> wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT
+    -> engine sleep -> [host_out] -> [restore training state, if spilled] -> TRAIN (reference
+    logprobs, policy update) -> log -> checkpoint -> offload training state (NVMe spill with
+    memory.spill_dir).
+Host DRAM is time-multiplexed (seed 003) when the run spills and the engine has a host KV pool:
+"host_out" writes the pool's live contents (parked partial rollouts, turn-boundary prefix entries
+worth keeping) to NVMe and returns its lease before "restore" brings the training states back;
+"host_in" leases it again once they left ("offload"; before the first rollout too) and reads the
+contents back (rollout/host_spill.py). With engine.host_pool_mb="auto" it leases every byte the
+ledger has free then, so the ledger never holds both consumers at full size.
 The checkpoint comes before the offload: it reads the optimizer states while they are still in
 host memory, so a spilled run writes each state once (offload) and reads it once (restore) per
 iteration; phases.jsonl's bytes_moved shows both.
@@ -106,7 +113,8 @@ class Phases:
         optimizer step, their peak; 0 elsewhere), host_pool (the host KV pool), host_parked (the
         part of host_pool holding paused rollouts' KV over a sleep: inside host_pool, not added to
         host_total), host_reference (a streamed reference's host vectors); disk_spilled (spill files
-        of the optimizer states). device_total, host_total and disk_total sum each tier. Kept for
+        of the optimizer states), disk_kv_pool (the host KV pool's kept contents on NVMe between rollouts,
+payload bytes). device_total, host_total and disk_total sum each tier. Kept for
         older readers: train_device (= device_weights), train_host (the optimizer's host bytes at
         the end of the phase), train_disk (= disk_spilled)."""
         engine, optimizer, ref = self.engine, self.trainer.optimizer, self.ref_model
@@ -127,7 +135,7 @@ class Phases:
             "host_pool": host.pool_bytes if host is not None else 0,
             "host_parked": parked * host.page_bytes if host is not None else 0,
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
-            "disk_spilled": optimizer.disk_bytes})
+            "disk_spilled": optimizer.disk_bytes, "disk_kv_pool": engine.cache.spilled_host_bytes})
         out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)
         # Weight copies the engine holds besides the shared parameters: the CPU path's fused
         # projections while it generates (models/fused.py), dropped when the rollout phase ends; 0
@@ -170,7 +178,9 @@ class Phases:
         if device.type == "cuda":
             self._peaks["device_alloc_peak"] = torch.cuda.max_memory_allocated(device) - start
 
-    def run(self, iteration: int, name: str, fn: Callable[[], object], bytes_moved: int = 0) -> object:
+    def run(self, iteration: int, name: str, fn: Callable[[], object],
+            bytes_moved: int | Callable[[object], int] = 0) -> object:
+        """`fn()`, timed and logged; `bytes_moved` is a count, or a function of fn's result."""
         if self.fault is not None:
             self.fault(iteration, name)
         t0 = time.perf_counter()
@@ -178,7 +188,8 @@ class Phases:
             result = fn()
         seconds = time.perf_counter() - t0
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.tracker.log_phase(iteration, name, seconds, bytes_moved, self.memory())
+        moved = bytes_moved(result) if callable(bytes_moved) else bytes_moved
+        self.tracker.log_phase(iteration, name, seconds, moved, self.memory())
         self._peaks = {}
         return result
 
@@ -207,6 +218,8 @@ class LoopParts:
     """This process's place among the data-parallel ranks (one process: rank 0 of 1)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When to checkpoint and what to keep (checkpoint.every / keep_last / keep_every)."""
+    max_staleness: int | None = None
+    """rollout.max_staleness: KV older than this many versions is not kept across iterations."""
     run_config: dict = field(default_factory=dict)
     """The run's resolved config (JSON-able), stored in each checkpoint for the resume's drift check."""
 
@@ -226,7 +239,14 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
     phases = Phases(p.tracker, p.engine, p.policy, p.trainer, p.ref_model, fault=fault)
     # bytes a weight sync copies: none when the engine runs on the policy's own tensors
     weight_bytes = 0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())
+    multiplex = p.store is not None and p.engine.host is not None  # host DRAM: training states <-> KV pool
     for it in range(start, iterations):
+        if multiplex:
+            if not p.trainer.states_spilled:  # the first iteration (or a resume's): the states leave first
+                phases.run(it, "offload", lambda: _offload_train_state(p),
+                           bytes_moved=p.trainer.optimizer.spillable_bytes())
+            phases.run(it, "host_in", lambda: p.engine.cache.restore_host(p.store, p.engine.scheduler.paused,
+                                                                          _host_pool_pages(p)), bytes_moved=lambda n: n)
         if p.engine.pool.is_released:
             phases.run(it, "wake", p.engine.wake)
         checksum = phases.run(it, "load_weights", lambda: _sync_weights(p, version=it + 1), bytes_moved=weight_bytes)
@@ -237,6 +257,9 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)  # drops the fused copies too
         else:
             p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
+        if multiplex:  # the KV pool's contents to NVMe, its DRAM back to the ledger, before the states return
+            phases.run(it, "host_out", lambda: p.engine.cache.spill_host(
+                p.store, p.engine.scheduler.paused, next_version=it + 2, max_staleness=p.max_staleness), bytes_moved=lambda n: n)
         groups = p.driver.take_finished_groups()
         local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
         if p.ranks.world > 1:  # the rollout -> train boundary: every rank has finished its rollout
@@ -338,6 +361,17 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
                                 global_counts=(num_tokens, num_seqs))
         bar.advance(metrics["loss"])
     return metrics
+
+
+def _host_pool_pages(p: LoopParts) -> int:
+    """Pages the host KV pool leases for this rollout: engine.host_num_pages, engine.host_pool_mb, or
+    with host_pool_mb="auto" every byte the ledger has free now (the spilled states' DRAM)."""
+    cfg, page_bytes = p.engine.config, p.engine.layout.page_bytes
+    if cfg.host_num_pages is not None:
+        return cfg.host_num_pages
+    if cfg.host_pool_mb == "auto":
+        return p.ledger.free // page_bytes if p.ledger is not None else 0
+    return (cfg.host_pool_mb << 20) // page_bytes
 
 
 def _offload_train_state(p: LoopParts) -> None:

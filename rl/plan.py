@@ -25,7 +25,8 @@ from rich.table import Table
 
 from rl.config import CONFIGS, RunConfig, compose_run_config
 from rl.plan_config import GIB, ClusterConfig, PlanOptions
-from rl.plan_model import DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, meta_policy, plan_phases, plan_sizes
+from rl.plan_model import (DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, host_budget_bytes, meta_policy,
+                           plan_phases, plan_sizes)
 from rl.tracking import _plot_memory
 from trainer.chunks import chunk_specs
 
@@ -74,11 +75,7 @@ class Plan:
         return (pool_pages - kda) // mla * layout.block_tokens if mla else sys.maxsize
 
 
-def host_capacity_bytes(cfg: RunConfig, cluster: ClusterConfig) -> int:
-    """One node's host budget: memory.host_budget_mb, else its DRAM less the ledger's 10% reserve."""
-    if cfg.memory.host_budget_mb is not None:
-        return cfg.memory.host_budget_mb << 20
-    return int(cluster.host_dram_gib * GIB * 0.9)
+host_capacity_bytes = host_budget_bytes  # one node's host budget (rl/plan_model.py)
 
 
 def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions()) -> Plan:

@@ -24,6 +24,10 @@ the very helper, of the code that allocates it:
 - host reference: the streamed reference's host vectors, chunk by chunk, each parameter aligned to
   its element size, a tied head repeated in the last chunk (trainer/ref_stream.py's layout).
 - disk spilled: the NVMe store's file bytes of every chunk's states (memory/spill_format.py's plan).
+- time-multiplexing (memory.spill_dir and a host pool): the host pool is leased from "host_in" to
+  "host_out" only; with engine.host_pool_mb=auto it is the rank's share of the host budget less what
+  stays resident meanwhile (the streamed reference, the step counters). disk_kv_pool: its kept
+  contents on NVMe between rollouts (the parked bound; payload bytes).
 
 Phases follow rl/orchestrator.py's loop; iteration 0 differs from the steady state (no moments
 before the first step, nothing spilled yet, the pool not yet released). The keys of each phase's
@@ -44,13 +48,13 @@ from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
 from rl.plan_activation import chunk_activation_peaks
-from rl.plan_config import ClusterConfig, PlanOptions
+from rl.plan_config import GIB, ClusterConfig, PlanOptions
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
 
 DEVICE_KEYS = ("device_weights", "device_pool", "device_grad_slots", "device_activation_peak", "device_reference")
 HOST_KEYS = ("host_masters", "host_moments", "host_grads", "host_pool", "host_parked", "host_reference")
-DISK_KEYS = ("disk_spilled",)
+DISK_KEYS = ("disk_spilled", "disk_kv_pool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,8 +166,15 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     layout = cache_layout(cfg)
     e = cfg.engine
     pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
-    host_pages = e.host_num_pages if e.host_num_pages is not None else (e.host_pool_mb << 20) // layout.page_bytes
     kl = cfg.algo.loss.kl_coef > 0
+    reference_host = _reference_host_bytes(model, chunked) if kl and cfg.memory.reference == "stream" else 0
+    if e.host_num_pages is not None:
+        host_pages = e.host_num_pages
+    elif e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
+        rank_budget = host_budget_bytes(cfg, cluster) // cluster.gpus_per_node
+        host_pages = max(0, rank_budget - reference_host - _steps_bytes(cfg, t.num_chunks)) // layout.page_bytes
+    else:
+        host_pages = (e.host_pool_mb << 20) // layout.page_bytes
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
     checksum = NvmeStoreConfig().checksum
@@ -184,7 +195,7 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, t.num_chunks),
         grads=4 * sum(shards), host_pool=host_pages * layout.page_bytes,
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
-        reference_host=_reference_host_bytes(model, chunked) if kl and cfg.memory.reference == "stream" else 0,
+        reference_host=reference_host,
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
         layout=layout, micro_batches=batches)
 
@@ -198,24 +209,43 @@ class PhaseMemory:
     """Bytes per consumer of one rank, the keys of phases.jsonl (`Phases.memory()`)."""
 
 
+def multiplexed(cfg: RunConfig) -> bool:
+    """Host DRAM time-multiplexed between the training states and the KV pool (rl/orchestrator.py):
+    the run spills and the engine has a host pool."""
+    return cfg.memory.spill_dir is not None and cfg.has_host_pool
+
+
+def host_budget_bytes(cfg: RunConfig, cluster: ClusterConfig) -> int:
+    """One node's host budget: memory.host_budget_mb, else its DRAM less the ledger's 10% reserve."""
+    if cfg.memory.host_budget_mb is not None:
+        return cfg.memory.host_budget_mb << 20
+    return int(cluster.host_dram_gib * GIB * 0.9)
+
+
 def phase_names(cfg: RunConfig, world: int, iteration: int) -> list[str]:
     """The loop's phases of an iteration, in order (rl/orchestrator.py `run_loop`)."""
-    release, spill = cfg.memory.release_pool_in_train, cfg.memory.spill_dir is not None
-    return ((["wake"] if release and iteration > 0 else []) + ["load_weights", "rollout"]
-            + (["sleep"] if release else []) + (["gather"] if world > 1 else [])
-            + (["restore"] if spill and iteration > 0 else []) + ["train", "checkpoint", "offload"])
+    release, spill, mux = cfg.memory.release_pool_in_train, cfg.memory.spill_dir is not None, multiplexed(cfg)
+    return ((["offload"] if mux and iteration == 0 else []) + (["host_in"] if mux else [])
+            + (["wake"] if release and iteration > 0 else []) + ["load_weights", "rollout"]
+            + (["sleep"] if release else []) + (["host_out"] if mux else []) + (["gather"] if world > 1 else [])
+            + (["restore"] if spill and (iteration > 0 or mux) else []) + ["train", "checkpoint", "offload"])
 
 
 def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
     """Each phase's consumer bytes (one rank) for iteration 0 and the steady state."""
-    spill = cfg.memory.spill_dir is not None
+    spill, mux = cfg.memory.spill_dir is not None, multiplexed(cfg)
     out = []
     for iteration in (0, 1):
         pool_live, parked, spilled = True, False, spill and iteration > 0
+        host_live, kv_on_disk = not mux, mux and iteration > 0  # the host pool leased; its contents on NVMe
         moments = iteration > 0  # AdamW creates its moments at the first step
         for phase in phase_names(cfg, world, iteration):
             if phase == "wake":
                 pool_live, parked = True, False
+            elif phase == "host_in":
+                host_live, kv_on_disk = True, False
+            elif phase == "host_out":
+                host_live, kv_on_disk = False, True
             elif phase == "sleep":
                 pool_live, parked = False, True
             elif phase == "restore":
@@ -231,9 +261,11 @@ def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
                       "device_activation_peak": sizes.activation_peak if train else 0,
                       "device_reference": sizes.reference_device,
                       "host_masters": 0 if spilled else sizes.masters, "host_moments": moment_bytes,
-                      "host_grads": sizes.grads if train else 0, "host_pool": sizes.host_pool,
-                      "host_parked": sizes.parked_bound if parked else 0, "host_reference": sizes.reference_host,
-                      "disk_spilled": sizes.spill_files if spilled else 0}
+                      "host_grads": sizes.grads if train else 0, "host_pool": sizes.host_pool if host_live else 0,
+                      "host_parked": sizes.parked_bound if parked and host_live else 0,
+                      "host_reference": sizes.reference_host,
+                      "disk_spilled": sizes.spill_files if spilled else 0,
+                      "disk_kv_pool": sizes.parked_bound if parked and kv_on_disk else 0}
             out.append(PhaseMemory(iteration, phase, with_totals(memory)))
     return out
 

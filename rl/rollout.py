@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from rl.cache_metrics import cache_metrics
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import ContextTooLong, Engine
@@ -182,7 +183,20 @@ class DriverConfig:
     weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so an RL
     run needs engine.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
 
+    reuse_stale_prefix: bool = False
+    """KV across iterations: prefixes the prefix cache computed under earlier policy versions may hit
+    in later iterations (engine.prefix_cache.reuse_stale); the tokens sampled on them are tagged with
+    the oldest version whose KV they read, so the trainer's truncated importance weights see them, and
+    `prefix_stale_hit_tokens` counts them. Off: a new version empties the cache."""
+    max_staleness: int | None = None
+    """KV older than this many policy versions at the next rollout is not kept across iterations:
+    prefix entries are dropped and parked partial rollouts recomputed (rollout/host_spill.py, when
+    the host pool goes to NVMe between rollouts); None = no limit."""
+
     def __post_init__(self) -> None:
+        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
+            raise ValueError(f"max_staleness={self.max_staleness!r}, expected an integer >= 1 (KV reused in the next "
+                             f"iteration is one version old) or null (no limit)")
         if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
             raise ValueError(f"groups_per_iteration={self.groups_per_iteration} and max_new_tokens="
                              f"{self.max_new_tokens} must be >= 1")
@@ -408,6 +422,7 @@ class RolloutDriver:
             for request in self._admissible(trajs, stats):
                 dispatcher.add(request)
         t0, generated_before = time.perf_counter(), self.engine.num_generated
+        counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
 
         def should_stop() -> bool:
             generated = self.engine.num_generated - generated_before  # sampled so far, finished or not
@@ -424,7 +439,8 @@ class RolloutDriver:
             self.auto_limit = dispatcher.auto.limit
         seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
         dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
-        return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
+        cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
+        return {**cache, "rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
                 **dropped, "trajectories_dropped": sum(dropped.values()),

@@ -167,7 +167,12 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
     # The configs go through as composed; the engine's seed is the run's, and its progress bar is
     # off (the tracker shows the rollout's).
-    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False), ledger=ledger)
+    prefix = cfg.engine.prefix_cache  # rollout.reuse_stale_prefix: its entries outlive a weight update
+    prefix = replace(prefix, reuse_stale=True) if prefix is not None and cfg.rollout.reuse_stale_prefix else prefix
+    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False, prefix_cache=prefix),
+                    ledger=ledger)
+    if cfg.memory.spill_dir is not None and engine.host is not None:
+        engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer
     trainer = Trainer(policy, t, group=ranks.group, ledger=ledger)
     driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params, cfg.rollout,
@@ -192,7 +197,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
-                     ranks=ranks, checkpoint=cfg.checkpoint, run_config=resolved_config(cfg))
+                     ranks=ranks, checkpoint=cfg.checkpoint, max_staleness=cfg.rollout.max_staleness,
+                     run_config=resolved_config(cfg))
 
 
 def _fault_from_env():

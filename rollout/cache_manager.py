@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from memory.page_pool import OutOfPages, PagePool
+from memory.nvme_store import NvmeStore
+from rollout.host_spill import SpilledSlots, discard, drop_parked, read_slots, write_slots
 from rollout.host_tier import HostTier
 from rollout.kv_eviction import KVEvictor, StepObserver
 from rollout.prefix_cache import PrefixCache
@@ -29,6 +31,10 @@ class CacheManager:
         self.layout = pool.layout
         self.num_kda_groups = len(self.layout.kda_groups)
         self.num_mla_groups = len(self.layout.mla_groups)
+        self.version = 0
+        """The policy version the engine computes with (`set_version`): a sequence's KV is tagged with it."""
+        self._spilled = SpilledSlots()
+        """What `spill_host` wrote to NVMe, read back by `restore_host`."""
 
     # ---- what the scheduler asks -----------------------------------------------------------------------
     def chunk(self, seq: Sequence, budget: int) -> int:
@@ -95,7 +101,11 @@ class CacheManager:
             self.evictor.end_step(observer)
 
     def after_forward(self, seqs: list[Sequence]) -> None:
-        """Index what the pass computed (prefix cache), before anything finishes."""
+        """Tag each sequence's KV with the version computing it (`Sequence.kv_version` keeps the oldest),
+        then index what the pass computed (prefix cache), before anything finishes."""
+        for seq in seqs:
+            if seq.kv_version is None:
+                seq.kv_version = self.version
         if self.prefix is not None:
             for seq in seqs:
                 self.prefix.register(seq)
@@ -108,6 +118,7 @@ class CacheManager:
     # ---- memory and weights --------------------------------------------------------------------------
     def park(self, paused: list[Sequence]) -> None:
         """Before a sleep: run pending copies; with a host tier, park the paused sequences' pages there
+        seq.kv_version = None
         (a sequence it cannot take keeps its pages: the scheduler's preemption frees them)."""
         self.before_forward()
         if self.host_tier is not None:
@@ -167,6 +178,59 @@ class CacheManager:
         """Pages one private sequence of `num_tokens` tokens holds (at most its KV budget's worth)."""
         if self.evictor is not None:
             num_tokens = min(num_tokens, self.evictor.config.budget_tokens)
+    def spill_host(self, store: NvmeStore, paused: list[Sequence], next_version: int,
+                   max_staleness: int | None = None) -> int:
+        """After `sleep`, before the training states come back: keep what the next rollout (policy
+        `next_version`) may use, write it to `store` and give the host pool's DRAM back to the ledger
+        (rollout/host_spill.py). Prefix entries go unless stale prefixes are reused; entries and parked
+        sequences older than `next_version - max_staleness` go (those sequences are reset). Returns
+        the bytes written."""
+        tier = self.host_tier
+        if tier is None or tier.host.is_suspended:
+            return 0
+        self.idle()
+        if tier.mirrors:  # clean copies of device pages, which are gone with the pool
+            tier.host.free(list(tier.mirrors.values()))
+            tier.mirrors.clear()
+        oldest = None if max_staleness is None else next_version - max_staleness
+        if self.prefix is not None:
+            if not self.prefix.config.reuse_stale:
+                self.prefix.clear()
+            elif oldest is not None:
+                for slot in [s for s in tier.lru if self.prefix.slot_version(s) < oldest]:
+                    if slot in tier.lru:
+                        tier.evict_entry(slot)
+        if oldest is not None:
+            drop_parked(tier, [s for s in paused if s.kv_version is not None and s.kv_version < oldest], self.reset)
+        self._spilled = write_slots(tier.host, store)
+        tier.host.suspend()
+        return self._spilled.bytes
+
+    def restore_host(self, store: NvmeStore | None, paused: list[Sequence], num_pages: int) -> int:
+        """Before `wake`: lease the host pool again (`num_pages`, HostBudgetExceeded if the ledger
+        cannot) and read back what `spill_host` kept, into the same slots. A lease too small for the
+        kept slots drops them all (entries forgotten, parked sequences reset). Returns bytes read."""
+        tier = self.host_tier
+        if tier is None or not tier.host.is_suspended:
+            return 0
+        used = tier.host.used_slots()
+        if used and used[-1] >= num_pages or num_pages < 1:
+            if self.prefix is not None:
+                self.prefix.store.clear()
+            drop_parked(tier, paused, self.reset)
+            self._spilled = SpilledSlots()
+            discard(store)
+        if num_pages < 1:  # no DRAM to lend this rollout: no host tier until the next one
+            return 0
+        tier.host.resume(num_pages)
+        spilled, self._spilled = self._spilled, SpilledSlots()
+        return read_slots(tier.host, store, spilled) if store is not None else 0
+
+    @property
+    def spilled_host_bytes(self) -> int:
+        """Bytes of host pages `spill_host` kept on NVMe until `restore_host` (payload)."""
+        return self._spilled.bytes
+
         return self.layout.sequence_pages(num_tokens)
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
@@ -175,6 +239,7 @@ class CacheManager:
         needed = self.pages_needed(seq, num_tokens)
         if needed > self.pool.num_free and self.prefix is not None:
             self.prefix.evict(needed - self.pool.num_free)  # cached pages nobody uses go first
+        self.version = version
         if needed > self.pool.num_free:
             return False
         try:
@@ -227,7 +292,7 @@ class CacheManager:
                 child.mla_pages.append(shared + own)
         self.pool.copy_pages(src, dst)
         for child in children:
-            child.num_computed = parent.num_computed
+            child.num_computed, child.kv_version = parent.num_computed, parent.kv_version
         if self.evictor is not None:
             self.evictor.fork(parent, children)
 

@@ -91,11 +91,14 @@ class Engine:
         device = next(model.parameters()).device
         self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
                      else PagePool.from_bytes(self.layout, config.pool_mb << 20, device))
-        host_bytes = (config.host_num_pages * self.layout.page_bytes if config.host_num_pages is not None
-                      else config.host_pool_mb << 20)
-        self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger,
-                                             pin_memory=device.type == "cuda")
-                     if host_bytes else None)
+        pin = device.type == "cuda"
+        if config.host_num_pages is None and config.host_pool_mb == "auto":  # leased at each rollout
+            self.host = HostPagePool.unleased(self.layout.page_bytes, ledger=ledger, pin_memory=pin)
+        else:
+            host_bytes = (config.host_num_pages * self.layout.page_bytes if config.host_num_pages is not None
+                          else config.host_pool_mb << 20)
+            self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger, pin_memory=pin)
+                         if host_bytes else None)
         copies = PageCopies(self.pool, self.host)
         host_tier = HostTier(self.pool, self.host, copies) if self.host is not None else None
         prefix = (PrefixCache(self.pool, config.prefix_cache, copies, host_tier)
@@ -334,7 +337,7 @@ class Engine:
         self.num_generated += 1
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
-        seq.versions.append(self.policy_version)
+        seq.versions.append(self.policy_version if seq.kv_version is None else min(self.policy_version, seq.kv_version))
         p, eos = seq.params, self.model.config.eos_token_id
         if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
             self.scheduler.finish(seq, "stop")

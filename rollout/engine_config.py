@@ -40,9 +40,12 @@ class EngineConfig:
     """Progress bar in generate()."""
     prefix_cache: PrefixCacheConfig | None = None
     """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
-    host_pool_mb: int = 0
+    host_pool_mb: int | str = 0
     """Host KV pool, MiB (memory/host_pool.py): the prefix cache's second tier and where paused
-    sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given."""
+    sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given.
+    "auto": the pool starts with no page and is sized at each rollout from what the ledger has free
+    (`CacheManager.restore_host`; the RL loop does it, with memory.spill_dir: the DRAM the spilled
+    training states freed)."""
     host_num_pages: int | None = None
     """Pages in the host KV pool (exact); None = as many as host_pool_mb holds."""
     kv_budget: KVBudgetConfig | None = None
@@ -67,8 +70,9 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
         if self.pool_mb < 1:
             raise ValueError(f"pool_mb={self.pool_mb}, expected >= 1")
-        if self.host_pool_mb < 0:
-            raise ValueError(f"host_pool_mb={self.host_pool_mb}, expected >= 0 (0 = no host KV pool)")
+        if self.host_pool_mb != "auto" and (isinstance(self.host_pool_mb, (str, bool)) or self.host_pool_mb < 0):
+            raise ValueError(f"host_pool_mb={self.host_pool_mb!r}, expected an integer >= 0 (0 = no host KV pool) "
+                             f"or 'auto'")
         if self.host_num_pages is not None and self.host_num_pages < 0:
             raise ValueError(f"host_num_pages={self.host_num_pages}, expected >= 0 or None")
         if self.kernel_impl is not None:

@@ -46,7 +46,10 @@ class PrefixCache:
         self._last_ckpt: dict[int, tuple[bytes, int]] = {}  # seq_id -> (hash, position) of its newest checkpoint
         self._turns: dict[bytes, list[bytes]] = {}  # turn-boundary checkpoint -> the hash chain up to it
         self._recycle: list[bytes] = []  # checkpoints superseded by a pending one: dropped after flush()
+        self._key_version: dict[bytes, int] = {}  # hash -> the policy version that computed it (first registered)
         self.hit_tokens = 0
+        self.stale_hit_tokens = 0
+        """Hit tokens computed by an older policy version (`reuse_stale`): their KV is stale."""
         self.lookups = 0
         self.deferred_admissions = 0
         """Times a sequence waited a step for a pending copy instead of taking a shorter hit."""
@@ -89,8 +92,26 @@ class PrefixCache:
         """Drop the whole index on both tiers (its references go; pages sequences still hold stay)."""
         self.flush()
         self.store.clear()
+        self._key_version.clear()
         self._forget_sequences()
         self._turns.clear()
+
+    def key_version(self, h: bytes) -> int:
+        """The policy version that computed the prefix ending at hash `h` (the current one if unknown)."""
+        return self._key_version.get(h, self.version)
+
+    def slot_version(self, slot: int) -> int:
+        """The oldest policy version among the entries reading host `slot`."""
+        return min((self.key_version(h) for h in self.index.keys_of(Loc.host(slot))), default=self.version)
+
+    def _note_versions(self, hashes: list[bytes], first: int) -> None:
+        """Record the current version for hashes[first:] not seen yet; forget versions of keys the
+        index dropped once they outnumber its keys (amortised)."""
+        for h in hashes[first:]:
+            self._key_version.setdefault(h, self.version)
+        if len(self._key_version) > 2 * (len(self.index.mla) + len(self.index.kda)) + 1024:
+            live = self.index.mla.keys() | self.index.kda.keys()
+            self._key_version = {h: v for h, v in self._key_version.items() if h in live}
 
     def hashes(self, seq: Sequence, upto: int) -> list[bytes]:
         """Chained hashes of seq.tokens[:upto] (complete hash blocks), extended incrementally."""
@@ -178,7 +199,11 @@ class PrefixCache:
             self.pool.decref(hit_pages)
         self.store.touch(hit_pages)
         seq.kda_pages, seq.mla_pages, seq.num_computed = kda, mla, match.tokens
+        chain = self._hashes[seq.seq_id][:match.tokens // self.config.hash_block]
+        versions = [self.key_version(h) for h in chain]
+        seq.kv_version = min(versions, default=self.version)
         self.hit_tokens += match.tokens
+        self.stale_hit_tokens += sum(v < self.version for v in versions) * self.config.hash_block
         return match.tokens
 
     # ---- after a forward pass ---------------------------------------------------------------------------
@@ -189,6 +214,8 @@ class PrefixCache:
             return
         hb, done = self.config.hash_block, seq.num_computed
         hashes = self.hashes(seq, done)
+        if self.config.reuse_stale:
+            self._note_versions(hashes, self._registered.get(seq.seq_id, 0) // hb)
         if self.num_mla and hashes:
             block_pages = [tuple(seq.mla_pages[g][j] for g in range(self.num_mla))
                            for j in range(len(seq.mla_pages[0]))]

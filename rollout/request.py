@@ -51,6 +51,10 @@ class Sequence:
     """Admission counter: preemption picks the most recently admitted sequence."""
     turn_boundaries: tuple[int, ...] = ()
     """Token positions where conversation turns end (the request's; the prefix cache checkpoints there)."""
+    kv_version: int | None = None
+    """The oldest policy version whose KV (or KDA state) this sequence holds: set when its cache is
+    first computed or taken from a prefix hit, kept over pauses and weight updates, None after a
+    reset. Tokens it samples are tagged with min(sampler's version, this): stale KV makes them stale."""
     kv: SeqKV | None = None
     """With a KV budget (rollout/kv_eviction.py): which tokens its MLA slots hold; None = all of them."""
 
