@@ -9,7 +9,7 @@ Owns everything a run writes to `run_dir` for humans to read:
   `memory` is what each pool held during the phase (bytes; drawn across the phase's span), its
   keys are whatever the caller passes.
 - `wandb_id.txt` — the wandb run id, so a resumed run continues the same wandb run.
-- `reward.png`, `memory.png`, `summary.json` — written by `Tracker.finish`.
+- `reward.png`, `memory.png`, `mechanisms.png`, `summary.json` — written by `Tracker.finish`.
 
 In a multi-rank run only the writer (rank 0) has an enabled Tracker; the others are built with
 `writer=False` and write, print and import nothing (the loop hands rank 0 the global figures).
@@ -28,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -110,6 +111,7 @@ class Tracker:
         self.phases_path = self.run_dir / "phases.jsonl"
         self.console = Console(quiet=not writer)
         self._wandb_run = None
+        self._probes: list[Callable[[], dict[str, float]]] = []
         if not writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,9 +133,16 @@ class Tracker:
                                          mode=config.wandb_mode, config=run_config,
                                          id=id_path.read_text(encoding="utf-8").strip(), resume="allow")
 
+    def add_probe(self, probe: Callable[[], dict[str, float]]) -> None:
+        """Have every later `log` line carry `probe()`'s figures too (read as the line is logged;
+        this rank's component figures, such as the reference stream's seconds of the iteration)."""
+        self._probes.append(probe)
+
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
-        """Append `{"iteration": iteration, **metrics}` to metrics.jsonl (durable on return) and
-        send it to wandb at step=iteration. Non-numeric values raise TypeError, nothing written."""
+        """Append `{"iteration": iteration, **metrics, **probes}` to metrics.jsonl (durable on
+        return) and send it to wandb at step=iteration. Non-numeric values raise TypeError, nothing
+        written."""
+        metrics = {**metrics, **{k: v for probe in self._probes for k, v in probe().items()}}
         clean = {name: _check_number(name, value) for name, value in metrics.items()}
         if not self.writer:
             return
@@ -158,15 +167,18 @@ class Tracker:
     def train_progress(self, total_steps: int) -> TrainProgress:
         return TrainProgress(total_steps, self.console, enabled=self.config.progress and self.writer)
 
-    def finish(self, summary: dict[str, float]) -> None:
+    def finish(self, summary: dict[str, float], warmup: dict | None = None) -> None:
         """Write the plots (those with data, if enabled) and summary.json, print the summary
-        table, and finish the wandb run."""
+        table, and finish the wandb run. `warmup`: the supervised warm-up's record (rl/warmup.py),
+        drawn before the RL iterations on the reward plot."""
         clean = {name: _check_number(name, value) for name, value in summary.items()}
         if not self.writer:
             return
         if self.config.plots:
-            _plot_reward(read_jsonl(self.metrics_path), self.run_dir / "reward.png")
-            _plot_memory(read_jsonl(self.phases_path), self.run_dir / "memory.png")
+            metrics, phases = read_jsonl(self.metrics_path), read_jsonl(self.phases_path)
+            _plot_reward(metrics, self.run_dir / "reward.png", warmup)
+            _plot_memory(phases, self.run_dir / "memory.png")
+            plot_mechanisms(metrics, phases, self.run_dir / "mechanisms.png")
         (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
         table = Table(title="run summary")
         table.add_column("key")
@@ -241,21 +253,29 @@ def _pyplot():
     return plt
 
 
-def _plot_reward(records: list[dict], path: Path) -> None:
-    """reward_mean (and reward_correct_frac if logged) against iteration; skipped without data."""
+def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None) -> None:
+    """reward_mean (and reward_correct_frac if logged) against iteration; skipped without data.
+    With a warm-up record: its steps drawn left of iteration 0 (shaded, one step per unit, their
+    demonstration loss on a second axis), the reward measured before and after it as two points,
+    the level after it dashed across the RL iterations (what RL added is above that line)."""
     keys = [k for k in ("reward_mean", "reward_correct_frac") if any(k in r for r in records)]
     if "reward_mean" not in keys:
         return
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for key in keys:
         points = [(r["iteration"], r[key]) for r in records if key in r]
-        ax.plot([x for x, _ in points], [y for _, y in points], marker=".", label=key)
+        ax.plot([x for x, _ in points], [y for _, y in points], marker=".", markersize=3, linewidth=0.8, label=key)
+    twin = _draw_warmup(ax, warmup, last=max(r["iteration"] for r in records)) if warmup is not None else None
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("iteration")
+    ax.set_xlabel("warm-up step - steps | RL iteration" if warmup is not None else "iteration")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize="small", loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -301,6 +321,70 @@ def _plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> N
     ax.set_xticklabels([f"{r['iteration']}:{r['phase']} {r['seconds']:.2g}s" for r in records],
                        rotation=60, ha="right", fontsize="x-small")
     axes[0, 0].set_title(f"memory by phase, iterations {kept[0]}-{kept[-1]}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _draw_warmup(ax, warmup: dict, last: int):
+    """The warm-up on the reward axes `ax`: its steps at x = step - steps (shaded), their loss on a
+    twin axis (returned), the rewards before and after it, and the after level dashed up to `last`."""
+    steps = len(warmup["steps"])
+    ax.axvspan(-steps - 0.5, -0.5, color="tab:green", alpha=0.12, label=f"supervised warm-up ({steps} steps)")
+    ax.axvline(-0.5, color="tab:green", linewidth=0.8)
+    ax.plot([-steps, -0.5], [warmup["reward_before"], warmup["reward_after"]], "s", color="tab:red",
+            label="reward measured before / after warm-up")
+    ax.hlines(warmup["reward_after"], -0.5, last, colors="tab:red", linestyles="--", linewidth=0.8)
+    loss = ax.twinx()
+    loss.plot([s["step"] - steps for s in warmup["steps"]], [s["loss"] for s in warmup["steps"]],
+              color="tab:green", linewidth=0.8, label="warm-up demonstration NLL (right)")
+    loss.set_ylabel("demonstration NLL")
+    loss.set_ylim(bottom=0)
+    return loss
+
+
+MECHANISM_PANELS = (
+    ("prefix cache: hit fraction of KV tokens", ["prefix_hit_frac"], "metrics", 1),
+    ("host KV pool, MiB", ["host_pool", "host_parked"], "phases", 2**20),
+    ("optimizer states on NVMe, MiB", ["disk_spilled"], "phases", 2**20),
+    ("reference stream, s", ["ref_stream_s", "ref_stream_wait_s"], "metrics", 1),
+    ("partial rollouts carried over", ["trajectories_carried"], "metrics", 1),
+)
+"""(title, keys, source, unit) of `plot_mechanisms`' panels: a metrics.jsonl key per iteration, or
+a phases.jsonl memory key at its largest within the iteration."""
+
+
+def plot_mechanisms(metrics: list[dict], phases: list[dict], path: Path) -> None:
+    """One panel per memory mechanism the run used (MECHANISM_PANELS), against iteration: prefix hit
+    fraction, host KV pool bytes (and its parked partial rollouts), optimizer bytes on NVMe, the
+    reference stream's seconds, trajectories carried over. Nothing is written when none has data."""
+    series = []
+    for title, keys, source, unit in MECHANISM_PANELS:
+        lines = {}
+        for key in keys:
+            if source == "metrics":
+                points = [(r["iteration"], r[key] / unit) for r in metrics if key in r]
+            else:
+                peak: dict[int, float] = {}
+                for p in phases:
+                    if key in p["memory"]:
+                        peak[p["iteration"]] = max(peak.get(p["iteration"], 0.0), p["memory"][key] / unit)
+                points = sorted(peak.items())
+            if points and any(y for _, y in points):
+                lines[key] = points
+        if lines:
+            series.append((title, lines))
+    if not series:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(series), 1, sharex=True, squeeze=False, figsize=(8, 1.2 + 1.7 * len(series)))
+    for ax, (title, lines) in zip(axes[:, 0], series):
+        for key, points in lines.items():
+            ax.plot([x for x, _ in points], [y for _, y in points], linewidth=0.8, label=key)
+        ax.set_title(title, fontsize="small", loc="left")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="upper right")
+    axes[-1, 0].set_xlabel("iteration")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

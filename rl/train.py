@@ -42,7 +42,9 @@ from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_it
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
+from rl.figures import TimedStreamedReference, run_summary
 from rl.tracking import Tracker
+from rl.warmup import load_record, run_warmup
 from rollout.engine import Engine
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
@@ -65,10 +67,10 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
 RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s", "experiment.max_idle_iterations",
                      "tracking.", "checkpoint.", "rollout.budget_tokens", "rollout.budget_seconds",
                      "rollout.max_drop_fraction", "rollout.env_timeout_s", "resume", "run_dir",
-                     "experiment.checkpoint")
+                     "experiment.checkpoint", "warmup.")
 """Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
-on, its checkpoints' cadence, its budgets and fault limits (and experiment.checkpoint, read only by a
-new run). Any other change is refused."""
+on, its checkpoints' cadence, its budgets and fault limits (and experiment.checkpoint and the warm-up,
+read only by a new run). Any other change is refused."""
 
 
 def resolved_config(cfg: RunConfig) -> dict:
@@ -186,19 +188,58 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
              if cfg.memory.spill_dir is not None else None)
     tracker = Tracker(run_dir, cfg.tracking, resolved_config(cfg),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
-    ref = initial_policy(cfg).eval() if cfg.algo.loss.kl_coef > 0 else None  # on the CPU, in the run's dtype
-    if ref is not None and cfg.memory.reference == "stream":
-        # Host copies per VPP chunk, streamed through the trainer's idle gradient slots (on their
-        # device); the CPU model built above is dropped here.
-        ref = StreamedReference(ref, trainer.arena, t.num_chunks, ledger=ledger, split=t.chunk_split)
-    elif ref is not None:
-        ref = ref.to(device)
+    # after a warm-up the reference is its result, built once it is known (`start_from_warmup`)
+    ref = None if warm_started(cfg, resume_from) else reference(cfg, initial_policy(cfg), trainer, ledger)
     return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
                      ranks=ranks, checkpoint=cfg.checkpoint, max_staleness=cfg.rollout.max_staleness,
                      run_config=resolved_config(cfg))
+
+
+def reference(cfg: RunConfig, model: HybridLM, trainer: Trainer, ledger: HostLedger) -> HybridLM | StreamedReference | None:
+    """The KL reference (None without algo.loss.kl_coef) from `model`'s weights (a CPU model in the
+    run's dtype; not kept): streamed (memory.reference=stream: host copies per VPP chunk, streamed
+    through the trainer's idle gradient slots, timed for the run's figures) or resident on the
+    trainer's device."""
+    if cfg.algo.loss.kl_coef == 0:
+        return None
+    model = model.eval()
+    if cfg.memory.reference == "stream":
+        t = cfg.trainer
+        return TimedStreamedReference(model, trainer.arena, t.num_chunks, ledger=ledger, split=t.chunk_split)
+    return model.to(trainer.arena.device)
+
+
+def warm_started(cfg: RunConfig, resume_from: int | None) -> bool:
+    """Whether the run starts RL from a supervised warm-up: a new run with warmup.steps > 0, a
+    resumed one when it took one (its record is in run_dir; the warmup group's knobs may change on
+    a resume, it never runs again)."""
+    return load_record(cfg.run_dir) is not None if resume_from is not None else cfg.warmup.steps > 0
+
+
+def start_from_warmup(cfg: RunConfig, parts: LoopParts, resume: bool) -> dict | None:
+    """A new run with warmup.steps > 0 takes its supervised warm-up now (rl/warmup.py); a resume of
+    one reads its record (the checkpoint holds the policy after it). Either way the KL reference is
+    the policy right after the warm-up. Returns the record (None: the run has no warm-up)."""
+    if not warm_started(cfg, 0 if resume else None):
+        return None
+    p = parts
+    if not resume:
+        record = run_warmup(cfg.warmup, trainer=p.trainer, engine=p.engine, tokenizer=p.driver.tokenizer,
+                            task_name=cfg.task.name, task_params=cfg.task.params, rollout=cfg.rollout,
+                            group_size=cfg.algo.group_size, seed=cfg.seed, run_dir=Path(cfg.run_dir), ranks=p.ranks,
+                            micro_batch_tokens=cfg.trainer.micro_batch_tokens, console=p.tracker.console)
+    else:
+        record = load_record(cfg.run_dir)
+    weights = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)  # on the CPU, as initial_policy
+    if resume:
+        load_weights(weights, Path(cfg.run_dir) / "warmup", assign=False)
+    else:
+        weights.load_state_dict({k: v.detach().cpu() for k, v in p.policy.state_dict().items()})
+    p.ref_model = reference(cfg, weights, p.trainer, p.ledger)
+    return record
 
 
 def _fault_from_env():
@@ -287,26 +328,15 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         start = load_iteration(parts, resume_path) + 1
         parts.tracker.console.print(f"resuming {run_dir} after iteration {start - 1}"
                                     + (f" on {ranks.world} ranks" if ranks.world > 1 else ""))
+    warmup = start_from_warmup(cfg, parts, resume=resume_path is not None)
+    if isinstance(parts.ref_model, TimedStreamedReference):
+        parts.tracker.add_probe(parts.ref_model.figures)  # the stream's seconds and bytes in each metrics line
     history = run_loop(parts, start, cfg.experiment.iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
                        max_idle_iterations=cfg.experiment.max_idle_iterations, fault=_fault_from_env())
     if ranks.is_writer:
-        parts.tracker.finish(_summary(run_dir))
+        parts.tracker.finish(run_summary(run_dir, warmup), warmup=warmup)
     ranks.barrier()  # rank 0's files are complete when any rank returns
     return history
-
-
-def _summary(run_dir: Path) -> dict[str, float]:
-    from rl.tracking import read_jsonl
-
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("reward_mean") == r.get("reward_mean")]
-    if not records:
-        return {}
-    last3 = records[-3:]
-    return {"iterations": float(len(records)), "reward_first": records[0]["reward_mean"],
-            "reward_last3_mean": sum(r["reward_mean"] for r in last3) / len(last3),
-            "correct_first": records[0].get("reward_correct_frac", float("nan")),
-            "correct_last3_mean": sum(r.get("reward_correct_frac", 0.0) for r in last3) / len(last3),
-            "rollout_tok_s_mean": sum(r.get("rollout_tok_s", 0.0) for r in records) / len(records)}
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")

@@ -11,17 +11,37 @@ from rl.config import (CONFIGS, PREFIX_CACHE_MODEL_ID, DeprecatedKeyWarning, Run
 from rl.train import resolved_config
 
 
-def composed(*overrides: str) -> RunConfig:
+def default_run(*overrides: str) -> RunConfig:
     """The config `python -m rl.train *overrides` runs (renamed keys upgraded, as there)."""
     return compose_run_config(overrides)
 
 
-def test_default_is_cpu_demo_and_overrides_apply():
-    cfg = composed()
+def composed(*overrides: str) -> RunConfig:
+    """The loop tests' base: `python -m rl.train experiment=single_turn *overrides` (the single-turn
+    preset: no warm-up, spill, prefix cache or budget unless a test asks), or the experiment the
+    overrides select."""
+    chosen = any(o.startswith("experiment=") for o in overrides)
+    return compose_run_config(overrides if chosen else ("experiment=single_turn", *overrides))
+
+
+def test_default_is_the_multi_turn_demo_and_overrides_apply():
+    cfg = default_run()
     assert cfg.experiment.name == "cpu_demo" and cfg.model.hidden_size == 64
-    assert cfg.task.name == "majority_digit" and cfg.rollout.max_concurrency is None  # the auto-throttle
-    cfg = composed("task=key_lookup", "rollout.max_concurrency=12", "algo=rloo")
-    assert cfg.task.name == "key_lookup" and cfg.rollout.max_concurrency == 12 and cfg.algo.advantage == "rloo"
+    assert cfg.task.name == "key_lookup" and cfg.rollout.max_concurrency is None  # the auto-throttle
+    cfg = default_run("task=majority_digit", "rollout.max_concurrency=12", "algo=rloo")
+    assert cfg.task.name == "majority_digit" and cfg.rollout.max_concurrency == 12 and cfg.algo.advantage == "rloo"
+    assert composed().experiment.name == "single_turn" and composed().task.name == "majority_digit"
+
+
+def test_the_default_run_has_every_mechanism_on():
+    """`make run` shows the system: a two-turn tool task with a warm-up, the prefix cache, a host KV
+    pool, the NVMe spill, a streamed KL reference and partial rollouts that keep their KV."""
+    cfg = default_run()
+    assert cfg.task.name == "key_lookup" and cfg.warmup.steps > 0 and not cfg.warmup.value
+    assert cfg.engine.prefix_cache is not None and cfg.engine.prefix_cache.hash_block <= 16
+    assert cfg.has_host_pool and cfg.memory.spill_dir is not None
+    assert cfg.algo.loss.kl_coef > 0 and cfg.memory.reference == "stream"
+    assert cfg.rollout.budget_tokens is not None and cfg.rollout.partial_resume == "kv"
 
 
 def test_unknown_key_names_it():
@@ -79,13 +99,15 @@ def test_help_lists_the_groups():
         assert f"{group}:" in out.stdout, out.stdout
 
 
-# What the default run (`python -m rl.train`, experiment=cpu_demo) ran with before the groups became the
-# components' own configs (then: rollout.max_model_len=256, memory.pool_mb=16, trainer.num_chunks=2, ...):
-# the composed default must keep resolving to exactly these values.
+# What the single-turn demo (`experiment=single_turn`, the default run `experiment=cpu_demo` until the
+# multi-turn demo took its place) ran with before the groups became the components' own configs (then:
+# rollout.max_model_len=256, memory.pool_mb=16, trainer.num_chunks=2, ...): the preset must keep
+# resolving to exactly these values.
 DEFAULT_RUN = {
     "rollout": {"groups_per_iteration": 8, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                 "max_concurrency": None, "budget_tokens": None, "budget_seconds": None, "env_timeout_s": 60.0,
-                "max_drop_fraction": 0.5, "partial_resume": "recompute"},
+                "max_drop_fraction": 0.5, "partial_resume": "recompute",
+                "reuse_stale_prefix": False, "max_staleness": None},  # KV across iterations: off
     "engine": {"max_model_len": 256, "num_pages": None, "pool_mb": 16, "group_layers": None, "block_tokens": None,
                "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None, "seed": 0,
                "check_every_step": False, "show_progress": True, "prefix_cache": None, "host_pool_mb": 0,
@@ -95,12 +117,14 @@ DEFAULT_RUN = {
                 "optimizer": {"lr": 5e-4, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "backend": "auto"}},
     "memory": {"release_pool_in_train": True, "reference": "stream", "host_budget_mb": None, "spill_dir": None},
     "algo": {"advantage": "grpo", "group_size": 16},
-    "experiment": {"name": "cpu_demo", "iterations": 400, "dtype": "fp32", "device": "cpu"},
+    "experiment": {"name": "single_turn", "iterations": 400, "dtype": "fp32", "device": "cpu"},
+    "task": {"name": "majority_digit", "params": {"length": 3}},
+    "warmup": {"steps": 0},
 }
 
 
-def test_the_default_run_resolves_to_the_pinned_values():
-    resolved = resolved_config(composed())
+def test_the_single_turn_preset_resolves_to_the_pinned_values():
+    resolved = resolved_config(compose_run_config(["experiment=single_turn"]))
     for group, values in DEFAULT_RUN.items():
         assert {k: resolved[group][k] for k in values} == values, group
     assert set(resolved["engine"]) == set(DEFAULT_RUN["engine"]) and set(resolved["rollout"]) == set(DEFAULT_RUN["rollout"])

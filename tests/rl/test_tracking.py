@@ -110,6 +110,36 @@ def test_finish_writes_plots_and_summary(tmp_path, capsys):
     assert "final_reward_mean" in out and "0.1235" in out and "0.123456" not in out
 
 
+def test_a_warmup_and_the_mechanisms_are_plotted(tmp_path):
+    """With a warm-up record the reward plot draws it before iteration 0; the mechanisms plot has a
+    panel per mechanism with data (a run with none writes no mechanisms.png)."""
+    tracker = Tracker(tmp_path, OFF, run_config={})
+    for it in range(4):
+        tracker.log(it, {"reward_mean": 0.3 + 0.1 * it, "prefix_hit_frac": 0.5, "ref_stream_s": 0.2,
+                         "trajectories_carried": float(it % 2)})
+        tracker.log_phase(it, "rollout", 1.0, 0, memory(8 << 20, 0, host_parked=1 << 20, disk_spilled=7 << 20))
+    warmup = {"steps": [{"step": s, "loss": 3.0 - s} for s in range(3)], "reward_before": 0.0, "reward_after": 0.28,
+              "seconds": 1.0}
+    tracker.finish({"x": 1.0}, warmup=warmup)
+    for name in ("reward.png", "memory.png", "mechanisms.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
+    other = tmp_path / "plain"
+    tracker = Tracker(other, OFF, run_config={})
+    log_iterations(tracker, [1, 2])
+    tracker.finish({})
+    assert (other / "reward.png").exists() and not (other / "mechanisms.png").exists()
+
+
+def test_probes_add_their_figures_to_every_line(tmp_path):
+    tracker = Tracker(tmp_path, OFF, run_config={})
+    calls = iter([{"ref_stream_s": 0.5}, {}])
+    tracker.add_probe(lambda: next(calls))
+    tracker.log(0, {"reward_mean": 0.1})
+    tracker.log(1, {"reward_mean": 0.2})
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"iteration": 0, "reward_mean": 0.1, "ref_stream_s": 0.5},
+                                                      {"iteration": 1, "reward_mean": 0.2}]
+
+
 @pytest.mark.parametrize("with_metrics", [False, True])
 def test_finish_without_data_writes_no_plot(tmp_path, with_metrics):
     tracker = Tracker(tmp_path, OFF, run_config={})

@@ -14,7 +14,8 @@ from rl.train import run
 from tests.rl.test_config import composed
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["tracking.wandb_mode=disabled", "tracking.progress=false", "rollout.groups_per_iteration=4",
+SMALL = ["experiment=single_turn", "tracking.wandb_mode=disabled", "tracking.progress=false",
+         "rollout.groups_per_iteration=4",
          "algo.group_size=4", "rollout.max_new_tokens=3"]
 PHASES = ["load_weights", "rollout", "sleep", "train", "checkpoint", "offload"]
 
