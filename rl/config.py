@@ -4,8 +4,8 @@
 `DriverConfig` (rl/rollout.py), `engine` the rollout engine's `EngineConfig` (rollout/engine_config.py;
 its optional `prefix_cache` and `kv_budget` nodes are null until the groups `prefix_cache=on` /
 `kv_budget=h2o|infinigen` merge into them), `trainer` the `TrainerConfig` (trainer/step.py), and
-`model`, `task`, `algo`, `memory`, `experiment`, `tracking`, `checkpoint` (here and beside their
-code). Each knob has one name and one default, the dataclass's: the group files restate none, and
+`model`, `task`, `algo`, `memory`, `experiment`, `warmup`, `tracking`, `checkpoint` (here and beside
+their code). Each knob has one name and one default, the dataclass's: the group files restate none, and
 `experiment=cpu_demo` (the default, a `# @package _global_` file) holds the demo's choices. Because
 every group is a typed schema, a misspelt key (`rollout.max_new_tokns=8`) or a wrong type
 (`trainer.num_chunks=two`) fails at composition with Hydra's message naming the key; value checks
@@ -34,6 +34,7 @@ from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
+from rl.warmup import WarmupConfig
 from rollout.engine_config import EngineConfig
 from rollout.kv_eviction import KVBudgetConfig
 from rollout.prefix_config import PrefixCacheConfig
@@ -189,6 +190,8 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """The supervised warm-up before RL (rl/warmup.py); steps=0 (the default) = none."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
