@@ -45,6 +45,7 @@ class PrefixCache:
         self._registered: dict[int, int] = {}  # seq_id -> tokens registered so far (write-through)
         self._last_ckpt: dict[int, tuple[bytes, int]] = {}  # seq_id -> (hash, position) of its newest checkpoint
         self._turns: dict[bytes, list[bytes]] = {}  # turn-boundary checkpoint -> the hash chain up to it
+        self._ends: dict[bytes, list[bytes]] = {}  # finished sequences' newest checkpoints (kept over a sleep)
         self._recycle: list[bytes] = []  # checkpoints superseded by a pending one: dropped after flush()
         self._key_version: dict[bytes, int] = {}  # hash -> the policy version that computed it (first registered)
         self.hit_tokens = 0
@@ -95,6 +96,7 @@ class PrefixCache:
         self._key_version.clear()
         self._forget_sequences()
         self._turns.clear()
+        self._ends.clear()
 
     def key_version(self, h: bytes) -> int:
         """The policy version that computed the prefix ending at hash `h` (the current one if unknown)."""
@@ -125,7 +127,13 @@ class PrefixCache:
         return chain[:want]
 
     def forget(self, seq: Sequence) -> None:
-        """The sequence is gone (finished, aborted) or restarts: drop its per-sequence state."""
+        """The sequence is gone (finished, aborted): drop its per-sequence state. Its newest checkpoint
+        is remembered as a conversation's end (where its next turn resumes, maybe in the next
+        iteration): `sleep` writes it back with the turn boundaries (eviction order is unchanged)."""
+        last = self._last_ckpt.get(seq.seq_id)
+        chain = self._hashes.get(seq.seq_id, [])
+        if last is not None and last[0] in self.index.kda and last[1] // self.config.hash_block <= len(chain):
+            self._ends[last[0]] = chain[:last[1] // self.config.hash_block]
         self._hashes.pop(seq.seq_id, None)
         self._last_ckpt.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
@@ -297,7 +305,7 @@ class PrefixCache:
         entries back (what later turns will need); drop every other device entry. Host entries stay."""
         self.flush()
         if self.host_tier is not None:
-            protected = self.protected_pages()
+            protected = self.protected_pages() | self._pages_under(self._ends)
             for page in [p for p in self.lru if p in protected]:
                 if page in self.lru and self.pool.refcount(page) == 1:
                     group = self.index.bundle(Loc.device(page))
@@ -305,6 +313,7 @@ class PrefixCache:
                         self.store.write_back(group)
         self.store.drop([Loc.device(p) for p in self.lru])
         self._forget_sequences()
+        self._ends.clear()
 
     # ---- eviction ------------------------------------------------------------------------------------------
     def _drop_checkpoint(self, h: bytes) -> None:
@@ -316,11 +325,16 @@ class PrefixCache:
     def protected_pages(self) -> set[int]:
         """Device pages the turn-aware policy evicts last: each complete turn-boundary checkpoint's
         pages and the MLA pages its prefix is read from."""
+        return self._pages_under(self._turns)
+
+    def _pages_under(self, checkpoints: dict[bytes, list[bytes]]) -> set[int]:
+        """Device pages of each complete checkpoint of `checkpoints` (hash -> chain up to it) and of the
+        MLA pages its prefix is read from; entries evicted meanwhile are removed from the dict."""
         protected: set[Loc] = set()
-        for h, chain in list(self._turns.items()):
+        for h, chain in list(checkpoints.items()):
             slot = self.index.kda.get(h)
             if slot is None or len(slot) < self.num_kda:
-                del self._turns[h]  # evicted meanwhile
+                del checkpoints[h]  # evicted meanwhile
                 continue
             match = self.index.match(chain, len(chain) * self.config.hash_block + 1, has_mla=self.num_mla > 0)
             protected.update(slot.values())
