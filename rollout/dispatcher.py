@@ -13,6 +13,17 @@ and, before any preemption happens, a request is only sent while the pages the i
 would hold at their full length (prompt + max_new_tokens) fit in `kv_overcommit` x the pool.
 So concurrency is high while contexts are short and backs off as KV pressure grows, with no
 per-workload tuning. An integer `max_concurrency` pins the limit (the baseline it is compared to).
+
+With the prefix cache on, the pool fills with pages only the prefix index holds. The throttle's
+utilisation counts them as free (`Dispatcher.signals`: eviction hands them out on demand), and the
+admission check accounts for the cache's own pages instead: each sequence's full-length projection
+includes its resume point, the pages a continuation (the next turn) copies out of the cache rather
+than shares: a KDA checkpoint (one page per KDA group) and the MLA page the hit ends in (one per
+MLA group). The full pages a hit shares are held by the sequence, so its projection has them
+already. Without that headroom the running sequences' growth evicts the checkpoints the next turns
+resume from (fewer hits, more prefill), or finds nothing evictable while the checkpoints cut at a
+hash boundary wait on their page copy (pinned until the next forward pass; sequences admitted
+together cross boundaries together) and preempts. Measured on `benchmarks.throttle`: docs/rollout.md.
 """
 from __future__ import annotations
 
@@ -107,14 +118,35 @@ class Dispatcher:
         self._projected: dict[str, int] = {}  # request -> pages it holds at full length
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
+        """Pages the request's sequences hold at full length (prompt + max_new_tokens), plus, with the
+        prefix cache on, each sequence's resume point in the cache (`_resume_pages`)."""
+        cache = self.engine.cache
         tokens = min(len(prompt) + params.max_new_tokens, self.engine.config.max_model_len)
-        return self.engine.cache.pages_for_tokens(tokens) * params.n
+        return (cache.pages_for_tokens(tokens) + self._resume_pages) * params.n
+
+    @property
+    def _resume_pages(self) -> int:
+        """With the prefix cache on, the pages of one sequence's resume point that only the cache
+        holds: a KDA checkpoint (one page per KDA group) and the MLA page it ends in (one per MLA
+        group), which a continuation copies rather than shares. 0 without the cache."""
+        cache = self.engine.cache
+        return cache.num_kda_groups + cache.num_mla_groups if cache.prefix is not None else 0
 
     def _room_for(self, prompt: list[int], params: SamplingParams) -> bool:
         if self.auto is None or not self.in_flight:
             return True  # a fixed limit is the whole policy; one request always goes
         budget = self.config.kv_overcommit * self.engine.pool.num_pages
         return sum(self._projected.values()) + self._full_length_pages(prompt, params) <= budget
+
+    def signals(self) -> dict[str, float]:
+        """`Engine.stats()` as the throttle reads it: `pool_utilization` leaves out the pages only the
+        prefix index holds (free on demand). Counting them is a walk over the index, so it is done
+        only when the raw utilisation reaches `high_watermark`, the only comparison it changes."""
+        stats = self.engine.stats()
+        if stats["pool_utilization"] >= self.config.high_watermark:
+            held = stats["pool_pages_used"] - self.engine.cache.num_evictable_pages
+            stats["pool_utilization"] = held / stats["pool_pages"]
+        return stats
 
     @property
     def limit(self) -> int:
@@ -166,5 +198,5 @@ class Dispatcher:
                 nxt = follow_up(out) if follow_up is not None else []
                 self.backlog.extendleft(reversed(nxt))  # the next turns go first: their prefixes are hot
             if self.auto is not None:
-                self.auto.update(self.engine.stats(), hold=kv_bound or not self.backlog)
+                self.auto.update(self.signals(), hold=kv_bound or not self.backlog)
         return outputs
