@@ -3,8 +3,8 @@
 Every sequence holds, per MLA cache group, `ceil(tokens / block_tokens)` pages in logical order
 (its block table) and, per KDA cache group, one private page with its recurrent state. Pages are
 ref-counted by the pool; a page shared by forks is referenced once per sequence holding it.
-The scheduler and the engine call phase methods only — `chunk`, `admit`, `grow`, `reset`,
-`finish`, `before_forward`, `after_forward`, `idle`, `park`/`sleep`/`wake`, `set_version`,
+The scheduler and the engine call phase methods only — `chunk`, `admit`, `grow`, `preempt`,
+`swap_in`, `reset`, `finish`, `before_forward`, `after_forward`, `idle`, `park`/`sleep`/`wake`, `set_version`,
 `stats` — never the parts behind them: the prefix cache (rollout/prefix_cache.py), the host tier
 (rollout/host_tier.py), the token evictor (rollout/kv_eviction.py), the step's page copies.
 Invariant (`check_integrity`): each page's pool refcount == the number of sequence slots, index
@@ -72,10 +72,49 @@ class CacheManager:
             self.prefix.flush()  # compaction reads the sequence's pages: their pending copies land first
         return self.evictor.make_room(seq, num_new)
 
+    def preempt(self, seq: Sequence) -> str:
+        """Take `seq`'s device pages back for others. With a host tier that can make room for them
+        (mirrors and cached entries may go, parked and swapped sequences never) they are swapped out:
+        copied to host slots, then dropped; `num_computed`, the prefix cache's hashes of the sequence
+        and its token evictor state (`seq.kv`, whose pages are stored as they are) are kept, and
+        `swap_in` restores them bit for bit. Otherwise (no host tier, too little host room, nothing
+        computed yet) it is `reset`: recomputed from token 0. Returns "swap" or "recompute"."""
+        if self.host_tier is not None and seq.num_computed and seq.holds_pages:
+            self.before_forward()  # pending copies into its pages land before its bytes are read
+            if self.host_tier.swap_out(seq, self.layout.mla_pages_for(seq.kv_len) if self.num_mla_groups else 0):
+                self.free(seq)  # pages grown for this step's tokens hold nothing yet: not stored
+                return "swap"
+        self.reset(seq)
+        return "recompute"
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        """`seq` waits on the host tier (preempted by `preempt`, not yet back)."""
+        return self.host_tier is not None and seq.seq_id in self.host_tier.swapped
+
+    def swap_in(self, seq: Sequence, num_new: int = 0) -> bool:
+        """Bring a swapped-out `seq` back into fresh device pages (its bytes bit for bit, pages it
+        shared before now private) if the pool has room for them and for `num_new` more tokens
+        (cached pages nobody uses are evicted for it). False: no room now, nothing changed."""
+        have = len(self.host_tier.swapped[seq.seq_id][1][0]) if self.num_mla_groups else 0
+        tokens = seq.kv_len + num_new
+        if self.evictor is not None:  # make_room compacts to the budget before growing
+            tokens = min(tokens, self.evictor.config.budget_tokens)
+        need = (self.host_tier.num_swapped_pages(seq)
+                + self.num_mla_groups * max(0, self.layout.mla_pages_for(tokens) - have))
+        if need > self.pool.num_free and self.prefix is not None:
+            self.prefix.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            return False
+        self.host_tier.swap_in(seq)
+        return True
+
     def reset(self, seq: Sequence) -> None:
-        """Drop everything the sequence has cached: it will be recomputed from token 0."""
+        """Drop everything the sequence has cached (swapped slots too): it will be recomputed from token 0."""
         self.free(seq)
+        if self.host_tier is not None:
+            self.host_tier.discard(seq)
         seq.num_computed = 0
+        seq.kv_version = None
         if self.evictor is not None:
             self.evictor.reset(seq)
 
@@ -118,7 +157,6 @@ class CacheManager:
     # ---- memory and weights --------------------------------------------------------------------------
     def park(self, paused: list[Sequence]) -> None:
         """Before a sleep: run pending copies; with a host tier, park the paused sequences' pages there
-        seq.kv_version = None
         (a sequence it cannot take keeps its pages: the scheduler's preemption frees them)."""
         self.before_forward()
         if self.host_tier is not None:
@@ -140,44 +178,6 @@ class CacheManager:
             for seq in self.host_tier.unpark(paused):
                 self.reset(seq)
 
-    @property
-    def num_parked_pages(self) -> int:
-        """Host pages holding paused sequences' pages over a sleep."""
-        return self.host_tier.num_parked_pages if self.host_tier is not None else 0
-
-    def set_version(self, version: int) -> None:
-        """New weights: InfiniGen's partial keys follow them; prefixes computed by older ones stop
-        matching (rollout/prefix_cache.py `set_version`)."""
-        if self.evictor is not None:
-            self.evictor.weights_updated()
-        if self.prefix is not None:
-            self.prefix.set_version(version)
-
-    @property
-    def num_evictable_pages(self) -> int:
-        """Used pool pages that only the prefix cache holds: eviction frees them on demand."""
-        return self.prefix.num_evictable if self.prefix is not None else 0
-
-    def stats(self) -> dict[str, float]:
-        """The token evictor's counters, `kv_`-prefixed (none without a KV budget)."""
-        return {f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {}
-
-    # ---- pages ---------------------------------------------------------------------------------------
-    @property
-    def max_chunk(self) -> int | None:
-        """Most new tokens one step may give a sequence (a KV budget's limit), None = any."""
-        return self.evictor.config.max_chunk if self.evictor is not None else None
-
-    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New pages `seq` needs to hold `num_tokens` MLA slots."""
-        kda = 0 if seq.kda_pages else self.num_kda_groups
-        have = len(seq.mla_pages[0]) if seq.mla_pages else 0
-        return kda + self.num_mla_groups * max(0, self.layout.mla_pages_for(num_tokens) - have)
-
-    def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages one private sequence of `num_tokens` tokens holds (at most its KV budget's worth)."""
-        if self.evictor is not None:
-            num_tokens = min(num_tokens, self.evictor.config.budget_tokens)
     def spill_host(self, store: NvmeStore, paused: list[Sequence], next_version: int,
                    max_staleness: int | None = None) -> int:
         """After `sleep`, before the training states come back: keep what the next rollout (policy
@@ -231,6 +231,57 @@ class CacheManager:
         """Bytes of host pages `spill_host` kept on NVMe until `restore_host` (payload)."""
         return self._spilled.bytes
 
+    @property
+    def num_parked_pages(self) -> int:
+        """Host pages holding paused sequences' pages over a sleep."""
+        return self.host_tier.num_parked_pages if self.host_tier is not None else 0
+
+    def set_version(self, version: int) -> None:
+        """New weights: InfiniGen's partial keys follow them; prefixes computed by older ones stop
+        matching (rollout/prefix_cache.py `set_version`)."""
+        self.version = version
+        if self.evictor is not None:
+            self.evictor.weights_updated()
+        if self.prefix is not None:
+            self.prefix.set_version(version)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Used pool pages that only the prefix cache holds: eviction frees them on demand."""
+        return self.prefix.num_evictable if self.prefix is not None else 0
+
+    def stats(self) -> dict[str, float]:
+        """The token evictor's counters, `kv_`-prefixed (none without a KV budget); with a host tier,
+        the slots swapped-out sequences hold (`swapped_pages`)."""
+        out = {f"kv_{k}": v for k, v in self.evictor.stats.items()} if self.evictor is not None else {}
+        if self.host_tier is not None:
+            out["swapped_pages"] = self.host_tier.num_swapped_slots
+        if self.prefix is not None:  # prefix cache and host tier counters since the engine was built
+            out.update(prefix_hit_tokens=self.prefix.hit_tokens, prefix_stale_hit_tokens=self.prefix.stale_hit_tokens,
+                       prefix_lookups=self.prefix.lookups)
+        if self.host_tier is not None:
+            host = self.host_tier.host
+            out.update(host_pool_bytes=host.pool_bytes, host_pages_used=host.num_used,
+                       host_pages_written_back=self.host_tier.pages_written_back,
+                       host_pages_prefetched=self.host_tier.pages_prefetched)
+        return out
+
+    # ---- pages ---------------------------------------------------------------------------------------
+    @property
+    def max_chunk(self) -> int | None:
+        """Most new tokens one step may give a sequence (a KV budget's limit), None = any."""
+        return self.evictor.config.max_chunk if self.evictor is not None else None
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New pages `seq` needs to hold `num_tokens` MLA slots."""
+        kda = 0 if seq.kda_pages else self.num_kda_groups
+        have = len(seq.mla_pages[0]) if seq.mla_pages else 0
+        return kda + self.num_mla_groups * max(0, self.layout.mla_pages_for(num_tokens) - have)
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Pages one private sequence of `num_tokens` tokens holds (at most its KV budget's worth)."""
+        if self.evictor is not None:
+            num_tokens = min(num_tokens, self.evictor.config.budget_tokens)
         return self.layout.sequence_pages(num_tokens)
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
@@ -239,7 +290,6 @@ class CacheManager:
         needed = self.pages_needed(seq, num_tokens)
         if needed > self.pool.num_free and self.prefix is not None:
             self.prefix.evict(needed - self.pool.num_free)  # cached pages nobody uses go first
-        self.version = version
         if needed > self.pool.num_free:
             return False
         try:

@@ -217,7 +217,8 @@ class Engine:
         return self.scheduler.has_work
 
     def stats(self) -> dict[str, float]:
-        """Runtime signals (logging, the dispatcher's auto-throttle): queue sizes, pool use, preemptions.
+        """Runtime signals (logging, the dispatcher's auto-throttle): queue sizes, pool use, preemptions
+        (all of them; `swapped_out` + `recomputed` split them by kind, `swapped_in` counts returns).
         `pool_utilization` counts every used page, those only the prefix cache holds included
         (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step):
         counting them as free let the auto-throttle over-admit with the cache on (docs/rollout.md)."""
@@ -226,7 +227,9 @@ class Engine:
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
                 "pool_utilization": self.pool.num_used / self.pool.num_pages,
                 "peak_pages_used": self.peak_pages_used,
-                "preemptions": sched.num_preemptions, "steps": self.num_steps, "policy_version": self.policy_version,
+                "preemptions": sched.num_preemptions, "swapped_out": sched.num_swapped_out,
+                "swapped_in": sched.num_swapped_in, "recomputed": sched.num_recomputed,
+                "steps": self.num_steps, "policy_version": self.policy_version,
                 **self.cache.stats()}
 
     # ---- the step ------------------------------------------------------------------------------------

@@ -4,13 +4,16 @@ One implementation of moving pages between the device pool and host pages (*slot
 - the prefix cache (rollout/prefix_cache.py): `write_back` of a bundle it evicts, `prefetch`
   before a hit on the host, `mirror` (write-through) copies; its host entries are `lru`;
 - the engine's sleep/wake: `park` paused sequences' pages before the device pool goes, `unpark`
-  them after it is back (bit for bit; a page shared by forks is stored once).
+  them after it is back (bit for bit; a page shared by forks is stored once);
+- preemption by swapping: `swap_out` a victim's pages to slots, `swap_in` them into fresh device
+  pages when it is rescheduled (bit for bit; every page of the victim gets its own slot, a page it
+  shared with a fork or the prefix cache included, and comes back private).
 Room is made the same way for both (`room`): clean mirrors first, then the least recently used
 cached entries (the prefix cache drops them through `evict_entry`), never one being prefetched.
 A device page with a `mirrors` entry has a clean copy on the host: evicting it again costs no copy.
 Prefetch and write-through copies join the step's `PageCopies` (run right before the forward
-pass). Slots of cached entries, mirrors and parked sequences are distinct and allocated
-(`check_integrity`).
+pass). Slots of cached entries, mirrors, parked and swapped sequences are distinct and allocated
+(`check_integrity`); `room` only ever drops mirrors and cached entries.
 """
 from __future__ import annotations
 
@@ -36,8 +39,12 @@ class HostTier:
         """Drops the cached entry reading a slot (with its bundle); set by the prefix cache."""
         self.parked: dict[int, tuple[list[int], list[list[int]]]] = {}
         """Paused seq_id -> the slots of its (KDA pages, MLA pages per group), over a sleep."""
+        self.swapped: dict[int, tuple[list[int], list[list[int]]]] = {}
+        """Preempted seq_id -> the slots of its (KDA pages, MLA pages per group) until it is rescheduled."""
         self.pages_written_back = 0
         self.pages_prefetched = 0
+        self.pages_swapped_out = 0
+        self.pages_swapped_in = 0
 
     # ---- the one copy path -----------------------------------------------------------------------------
     def room(self, num: int, keep: Iterable[int] = ()) -> bool:
@@ -165,6 +172,52 @@ class HostTier:
         self.parked.clear()
         return lost
 
+    # ---- preempted sequences (swap) ---------------------------------------------------------------------
+    def swap_out(self, seq: Sequence, num_mla_pages: int) -> bool:
+        """Copy `seq`'s KDA pages and its first `num_mla_pages` MLA pages per group (those holding its
+        `kv_len` slots) to fresh slots, making room as `room` does. True: stored (the caller drops
+        its device references); False: the host cannot take them, nothing changed."""
+        if seq.seq_id in self.swapped:
+            raise ValueError(f"sequence {seq.seq_id} is already swapped out")
+        mla = [group[:num_mla_pages] for group in seq.mla_pages]
+        slots = self._store(seq.kda_pages + [p for group in mla for p in group])
+        if slots is None:
+            return False
+        rest = iter(slots)
+        self.swapped[seq.seq_id] = ([next(rest) for _ in seq.kda_pages], [[next(rest) for _ in group] for group in mla])
+        self.pages_swapped_out += len(slots)
+        return True
+
+    def num_swapped_pages(self, seq: Sequence) -> int:
+        """Device pages `swap_in(seq)` takes (0 if `seq` is not swapped out)."""
+        kda, mla = self.swapped.get(seq.seq_id, ([], []))
+        return len(kda) + sum(map(len, mla))
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Give the swapped-out, page-less `seq` fresh device pages holding its stored bytes and free
+        its slots. The caller checked the pool has `num_swapped_pages(seq)` free pages."""
+        kda, mla = self.swapped.pop(seq.seq_id)
+        slots = kda + [s for group in mla for s in group]
+        fresh = self._device_pages(slots)
+        self.host.load(slots, self.pool, fresh)
+        self.host.free(slots)  # a later copy into these slots is ordered after this one (one copy stream)
+        page_of = dict(zip(slots, fresh))
+        seq.kda_pages = [page_of[s] for s in kda]
+        seq.mla_pages = [[page_of[s] for s in group] for group in mla]
+        self.pages_swapped_in += len(slots)
+
+    def discard(self, seq: Sequence) -> None:
+        """Free `seq`'s swapped slots, if any (it finished, was aborted or restarts from token 0)."""
+        kda, mla = self.swapped.pop(seq.seq_id, ([], []))
+        slots = kda + [s for group in mla for s in group]
+        if slots:
+            self.host.free(slots)
+
+    @property
+    def num_swapped_slots(self) -> int:
+        """Slots holding swapped-out sequences' pages."""
+        return sum(len(kda) + sum(map(len, mla)) for kda, mla in self.swapped.values())
+
     def _parked_slots(self) -> set[int]:
         return {s for kda, mla in self.parked.values() for s in kda + [x for group in mla for x in group]}
 
@@ -174,7 +227,9 @@ class HostTier:
         return len(self._parked_slots())
 
     def check_integrity(self) -> None:
-        """Cached entries, mirrors and parked pages hold distinct allocated slots."""
-        slots = list(self.lru) + list(self.mirrors.values()) + sorted(self._parked_slots())
+        """Cached entries, mirrors, parked and swapped pages hold distinct allocated slots."""
+        swapped = [s for kda, mla in self.swapped.values() for s in kda + [x for group in mla for x in group]]
+        slots = list(self.lru) + list(self.mirrors.values()) + sorted(self._parked_slots()) + swapped
         if len(set(slots)) != len(slots) or any(self.host.tag(s) is None for s in slots):
-            raise AssertionError("host slots of cached entries, mirrors and parked sequences overlap or are free")
+            raise AssertionError("host slots of cached entries, mirrors, parked and swapped sequences overlap "
+                                 "or are free")

@@ -1,14 +1,17 @@
-"""Continuous batching with chunked prefill under a per-step token budget, preemption by recompute.
+"""Continuous batching with chunked prefill under a per-step token budget, preemption by swap or recompute.
 
 Each step the scheduler decides how many new tokens each sequence computes:
 1. running sequences, oldest admission first: a decoding sequence computes its 1 sampled token,
    a sequence still prefilling computes its next chunk (as much as the remaining budget and the
    cache's `chunk` limit allow: a KV budget, hash-block and turn boundaries);
    when the pool cannot hold the growth, the most recently admitted running sequence is
-   preempted (its pages freed, its tokens kept, `num_computed` reset: it will be recomputed), and
-   as a last resort paused sequences are preempted too — the engine never crashes on a full pool;
+   preempted, and as a last resort paused sequences are preempted too — the engine never crashes
+   on a full pool. The cache manager decides how, per victim (`CacheManager.preempt`): swapped to
+   the host tier when it can take the victim's pages (they come back bit for bit, `num_computed`
+   kept), else recomputed (pages freed, tokens kept, `num_computed` reset to 0);
 2. waiting sequences, first come first served, are admitted while budget, `max_num_seqs` and
-   free pages allow (admission never preempts anyone).
+   free pages allow (admission never preempts anyone); a swapped-out sequence is swapped in first
+   (`CacheManager.swap_in`), and while the pool cannot take it back nobody behind it is admitted.
 Bookkeeping only: no tensors here (nano-vllm's split, testable on its own). The scheduler alone
 edits its queues; it reaches the KV tiers only through the cache manager's phase methods.
 """
@@ -54,6 +57,10 @@ class Scheduler:
         self.paused: list[Sequence] = []
         self._admissions = 0
         self.num_preemptions = 0
+        """Every preemption: num_swapped_out + num_recomputed."""
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.num_recomputed = 0
 
     @property
     def has_work(self) -> bool:
@@ -85,12 +92,19 @@ class Scheduler:
             held_back = []  # waiting on a pending cache copy: admitted next step, the others go on
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if not self.cache.admit(seq):
+                swapped = self.cache.is_swapped(seq)
+                if swapped:
+                    if not self.cache.swap_in(seq, self.cache.chunk(seq, budget)):
+                        break  # the pool cannot take it back yet
+                    self.num_swapped_in += 1
+                elif not self.cache.admit(seq):
                     held_back.append(self.waiting.popleft())  # its cached prefix lands next step
                     continue
                 want = self.cache.chunk(seq, budget)
                 if not self.cache.grow(seq, want):
-                    if seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
+                    if swapped:  # swap_in counted the growth: only a pool shared otherwise gets here
+                        self._count(self.cache.preempt(seq))
+                    elif seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
                         self.cache.reset(seq)
                     break
                 self.waiting.popleft()
@@ -111,9 +125,12 @@ class Scheduler:
             candidates = [s for s in self.paused if s.holds_pages] or list(self.running)
         return max(candidates, key=lambda s: s.admitted_at)
 
-    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
-        self.cache.reset(seq)
-        self.num_preemptions += 1
+    def _preempt(self, seq: Sequence, step: ScheduledStep, swap: bool = True) -> None:
+        if swap:
+            self._count(self.cache.preempt(seq))
+        else:
+            self.cache.reset(seq)
+            self._count("recompute")
         step.preempted.append(seq)
         if seq.status is SeqStatus.PAUSED:
             return  # stays paused; recomputed after resume
@@ -123,6 +140,13 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _count(self, how: str) -> None:
+        self.num_preemptions += 1
+        if how == "swap":
+            self.num_swapped_out += 1
+        else:
+            self.num_recomputed += 1
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -169,8 +193,10 @@ class Scheduler:
             self.add(seq)
 
     def preempt_all(self) -> None:
-        """Free every sequence's pages (sleep): running ones go back to waiting, in order."""
+        """Free every sequence's pages (sleep): running ones go back to waiting, in order, to be
+        recomputed (the host tier's room is kept for the paused ones and the prefix cache's entries;
+        sequences already swapped out stay there)."""
         step = ScheduledStep()
         for seq in sorted(self.running + [s for s in self.paused if s.holds_pages],
                           key=lambda s: -s.admitted_at):
-            self._preempt(seq, step)
+            self._preempt(seq, step, swap=False)
