@@ -80,6 +80,8 @@ class Sizes:
     reference_host: int
     spill_files: int
     spill_payload: int
+    spill_master_files: int
+    """The spill before the first step (no moments yet): the masters alone (a multiplexed run's first offload)."""
     layout: CacheLayout
     micro_batches: list[list[int]]
     """This rank's trained sequence lengths per micro-batch (what the activation peak was probed on)."""
@@ -178,12 +180,13 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
     checksum = NvmeStoreConfig().checksum
-    spill_files = spill_payload = 0
+    spill_files = spill_payload = spill_master_files = 0
     for c, shard in enumerate(shards):
         states = {k: torch.empty(shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
         manifest = spill_plan(f"train_states.rank0.chunk{c}", states, checksum)
         spill_files += manifest.file_bytes
         spill_payload += manifest.payload_bytes
+        spill_master_files += spill_plan(f"train_states.rank0.chunk{c}", {"master": states["master"]}, checksum).file_bytes
     batches = train_micro_batches(cfg, cluster, options)
     chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg),
                                          grouped_mm=moe_grouped_mm(model, cluster), split=t.chunk_split)
@@ -197,6 +200,7 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=reference_host,
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
+        spill_master_files=spill_master_files if cfg.memory.spill_dir is not None else 0,
         layout=layout, micro_batches=batches)
 
 
@@ -264,7 +268,7 @@ def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
                       "host_grads": sizes.grads if train else 0, "host_pool": sizes.host_pool if host_live else 0,
                       "host_parked": sizes.parked_bound if parked and host_live else 0,
                       "host_reference": sizes.reference_host,
-                      "disk_spilled": sizes.spill_files if spilled else 0,
+                      "disk_spilled": (sizes.spill_files if moments else sizes.spill_master_files) if spilled else 0,
                       "disk_kv_pool": sizes.parked_bound if parked and kv_on_disk else 0}
             out.append(PhaseMemory(iteration, phase, with_totals(memory)))
     return out

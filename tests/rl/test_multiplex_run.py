@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from memory.host_ledger import HostBudgetExceeded
+from rl.plan import make_plan
+from rl.plan_config import ClusterConfig, PlanOptions
 from rl.train import run
 from tests.rl.test_config import composed
+from tests.rl.test_plan import prompt_len
 
 SMALL = ["experiment=single_turn", "tracking.wandb_mode=disabled", "tracking.progress=false",
          "rollout.groups_per_iteration=4", "algo.group_size=4", "rollout.max_new_tokens=6",
@@ -27,12 +30,30 @@ def states(memory: dict) -> int:
 
 
 def test_states_and_host_pool_take_turns_in_a_budget_that_cannot_hold_both(tmp_path):
-    overrides = [*SMALL, "experiment.iterations=3", f"memory.host_budget_mb={BUDGET_MB}",
+    overrides = [*SMALL, "experiment.iterations=4", f"memory.host_budget_mb={BUDGET_MB}",
                  f"engine.host_pool_mb={POOL_MB}"]
     with pytest.raises(HostBudgetExceeded):  # without the spill, both stay: the budget is too small
         run(composed(f"run_dir={tmp_path / 'fixed'}", *overrides))
-    history = run(composed(f"run_dir={tmp_path / 'mux'}", *overrides, "memory.spill_dir=nvme"))
+    cfg = composed(f"run_dir={tmp_path / 'mux'}", *overrides, "memory.spill_dir=nvme")
+    history = run(cfg)
     records = phases(tmp_path / "mux")
+    plan = make_plan(cfg, ClusterConfig(), PlanOptions(seq_len=prompt_len() + 6))
+    pairs = []  # the planner follows the multiplexed loop, phase by phase: iteration 0 up to its
+    trained = sorted({r["iteration"] for r in records if r["phase"] == "train"})
+    assert trained and trained[0] < 3, "some iteration before the last should train"
+    for it, plan_it in ((0, 0), (trained[0] + 1, 1)):  # update (its budget leaves no group finished), then the steady state
+        ran = [r for r in records if r["iteration"] == it]
+        planned = [p for p in plan.phases if p.iteration == plan_it]
+        if it == 0:
+            ran = ran[:ran.index(next(r for r in ran if r["phase"] == "restore")) + 1]
+            planned = planned[:len(ran)]
+        assert [p.phase for p in planned] == [r["phase"] for r in ran]
+        pairs += zip(planned, ran)
+    for p, r in pairs:
+        want, got = p.memory, r["memory"]
+        for k in ("host_pool", "host_masters", "disk_spilled"):
+            assert want[k] == got[k], (r["iteration"], r["phase"], k, want[k], got[k])
+        assert got["disk_kv_pool"] <= want["disk_kv_pool"] or r["phase"] == "host_out", (r["phase"], got, want)
     steady = [r["memory"] for r in records if r["phase"] == "train"]
     assert max(states(m) for m in steady) > (BUDGET_MB - POOL_MB) * MiB, "the states alone must not fit beside the pool"
     for r in records:
