@@ -72,6 +72,8 @@ class ThrottleConfig:
     """Automatic mode: limit multiplier after a preemption."""
     kv_overcommit: float = 1.0
     """Automatic mode: in-flight requests' full-length pages may reach this multiple of the pool."""
+    resume_headroom: bool = True
+    """Automatic mode, prefix cache on: project each sequence's resume point (debug: False shows why)."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -130,7 +132,9 @@ class Dispatcher:
         holds: a KDA checkpoint (one page per KDA group) and the MLA page it ends in (one per MLA
         group), which a continuation copies rather than shares. 0 without the cache."""
         cache = self.engine.cache
-        return cache.num_kda_groups + cache.num_mla_groups if cache.prefix is not None else 0
+        if cache.prefix is None or not self.config.resume_headroom:
+            return 0
+        return cache.num_kda_groups + cache.num_mla_groups
 
     def _room_for(self, prompt: list[int], params: SamplingParams) -> bool:
         if self.auto is None or not self.in_flight:
