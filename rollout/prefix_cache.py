@@ -106,11 +106,14 @@ class PrefixCache:
         """The oldest policy version among the entries reading host `slot`."""
         return min((self.key_version(h) for h in self.index.keys_of(Loc.host(slot))), default=self.version)
 
-    def _note_versions(self, hashes: list[bytes], first: int) -> None:
-        """Record the current version for hashes[first:] not seen yet; forget versions of keys the
-        index dropped once they outnumber its keys (amortised)."""
+    def _note_versions(self, hashes: list[bytes], first: int, version: int) -> None:
+        """Tag hashes[first:] that the index does not hold yet with `version` (the oldest version whose
+        KV the registering sequence holds: a block computed on stale KV is stale too); forget the
+        versions of keys the index dropped once they outnumber its keys (amortised)."""
+        index = self.index
         for h in hashes[first:]:
-            self._key_version.setdefault(h, self.version)
+            if h not in index.mla and h not in index.kda:
+                self._key_version[h] = version
         if len(self._key_version) > 2 * (len(self.index.mla) + len(self.index.kda)) + 1024:
             live = self.index.mla.keys() | self.index.kda.keys()
             self._key_version = {h: v for h, v in self._key_version.items() if h in live}
@@ -223,7 +226,8 @@ class PrefixCache:
         hb, done = self.config.hash_block, seq.num_computed
         hashes = self.hashes(seq, done)
         if self.config.reuse_stale:
-            self._note_versions(hashes, self._registered.get(seq.seq_id, 0) // hb)
+            self._note_versions(hashes, self._registered.get(seq.seq_id, 0) // hb,
+                                self.version if seq.kv_version is None else min(self.version, seq.kv_version))
         if self.num_mla and hashes:
             block_pages = [tuple(seq.mla_pages[g][j] for g in range(self.num_mla))
                            for j in range(len(seq.mla_pages[0]))]

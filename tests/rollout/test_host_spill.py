@@ -2,9 +2,12 @@
 between rollouts, its live contents (parked partial rollouts, prefix entries) go to NVMe and come back
 bit for bit; stale KV is dropped by policy, or reused and tagged with its version."""
 import copy
+import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
@@ -16,7 +19,7 @@ from rollout.page_loc import Loc
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.prefix_index import chain_hashes
 from rollout.sampling import SamplingParams
-from tests.rollout.test_prefix_cache import HB, page_at, reference
+from tests.rollout.test_prefix_cache import GREEDY, HB, page_at, reference, sessions
 
 STORE = NvmeStoreConfig(backend="buffered", chunk_bytes=1 << 20, fsync=False)
 MiB = 1 << 20
@@ -131,18 +134,27 @@ def test_a_corrupted_spill_is_refused(tiny_model, tmp_path):
 
 def versioned_verifier(models: dict[int, torch.nn.Module], finals: list[list[int]]):
     """Checks every index entry against a recompute of its prefix under the weights of the version
-    that computed it (`PrefixCache.key_version`), on whichever tier it lies."""
+    that computed it (`PrefixCache.key_version`), on whichever tier it lies. An entry computed by
+    newer weights on top of a stale hit is tagged with the stale version and not recomputable by
+    one model: those (`mixed`: keys registered since the last version change yet tagged older than
+    it) are counted, not compared; call it once right after each weight update."""
     keys = {}
     for tokens in finals:
         for i, h in enumerate(chain_hashes(tokens, HB, b"tiny|v0"), start=1):
             keys.setdefault(h, (tuple(tokens), i))
-    refs, checked = {}, {"entries": 0, "stale": 0, "host": 0}
+    refs, checked = {}, {"entries": 0, "stale": 0, "host": 0, "mixed": 0}
+    seen = {"version": None, "old_keys": set()}
 
     def verify(eng):
         cache, bt = eng.cache.prefix, eng.layout.block_tokens
+        if seen["version"] != cache.version:  # new weights: what the index holds now predates them
+            seen["version"], seen["old_keys"] = cache.version, set(cache.index.mla)
         for h, pages in cache.index.mla.items():
             tokens, i = keys[h]
             version = cache.key_version(h)
+            if h not in seen["old_keys"] and version < cache.version:
+                checked["mixed"] += 1
+                continue
             if (tokens, version) not in refs:
                 refs[tokens, version] = reference(models[version], list(tokens))
             mla, _ = refs[tokens, version]
@@ -208,3 +220,65 @@ def test_stale_prefixes_hit_across_a_weight_update_and_an_nvme_round_trip(tiny_m
     with NvmeStore(tmp_path / "kv2", STORE) as store:
         written, _ = between_rollouts(eng, store, next_version=2)
     assert written == 0 and eng.host.num_used == 0
+
+
+def perturbed(model, seed=0, scale=0.01):
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
+    return new
+
+
+def two_iterations(models, seed, pages, host, staleness, store_dir, verify=None):
+    """Random sessions: iteration 1 (version 1) runs their first two turns, the host pool crosses
+    the update on NVMe, iteration 2 (version 2) runs each session's third turn."""
+    cfg = EngineConfig(num_pages=pages, max_model_len=400, max_num_batched_tokens=40, show_progress=False,
+                       check_every_step=True, host_num_pages=host,
+                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", reuse_stale=True))
+    eng = Engine(copy.deepcopy(models[1]), cfg)
+    eng.weights_updated(1)
+    system, users = sessions(num_sessions=3, turns=3, seed=seed)
+    history, finals, arrivals = [list(system) for _ in users], [], random.Random(seed + 1)
+
+    def turn(t):
+        ids, done = {}, {}
+        for s in arrivals.sample(range(len(users)), len(users)):
+            history[s] += users[s][t]
+            ids[s] = eng.add_request(history[s], GREEDY, turn_boundaries=[len(history[s])])
+        while any(rid not in done for rid in ids.values()):
+            done.update((o.request_id, o) for o in eng.step())
+            if verify is not None:
+                verify(eng)
+        for s in range(len(users)):
+            history[s] += done[ids[s]].samples[0].tokens
+            finals.append(list(history[s]))
+
+    turn(0)
+    turn(1)
+    with NvmeStore(store_dir, STORE) as store:
+        between_rollouts(eng, store, next_version=2, max_staleness=staleness, pages=host)
+    eng.load_weights(models[2].state_dict(), version=2)
+    if verify is not None:
+        verify(eng)
+    turn(2)
+    return eng, finals
+
+
+@pytest.mark.slow
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), pages=st.sampled_from([24, 40]), host=st.sampled_from([8, 40]),
+       staleness=st.sampled_from([None, 1]))
+def test_random_sessions_across_an_update_with_stale_reuse(dense_tiny_model, tmp_path_factory, seed, pages, host,
+                                                           staleness):
+    """The prefix property test across iterations: random sessions, a small device pool, a host pool
+    crossing the update on NVMe; after every step every entry (either tier) equals a recompute
+    under the weights that computed it; stale hits happen and are tagged."""
+    models = {1: dense_tiny_model, 2: perturbed(dense_tiny_model, seed)}
+    _, finals = two_iterations(models, seed, pages, host, staleness, tmp_path_factory.mktemp("dry"))
+    verify, checked = versioned_verifier(models, finals)
+    eng, _ = two_iterations(models, seed, pages, host, staleness, tmp_path_factory.mktemp("kv"), verify=verify)
+    assert checked["entries"] > 0 and checked["host"] > 0
+    assert checked["stale"] > 0, "version-1 entries should be checked under version-2 weights"
+    if host == 40:  # room on the host for the turn-boundary bundles: the third turns hit them, stale
+        assert eng.cache.prefix.stale_hit_tokens > 0
