@@ -245,7 +245,7 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             if not p.trainer.states_spilled:  # the first iteration (or a resume's): the states leave first
                 phases.run(it, "offload", lambda: _offload_train_state(p),
                            bytes_moved=p.trainer.optimizer.spillable_bytes())
-            phases.run(it, "host_in", lambda: p.engine.cache.restore_host(p.store, p.engine.scheduler.paused,
+            phases.run(it, "host_in", lambda: p.engine.cache.restore_host(p.store, _sequences(p.engine),
                                                                           _host_pool_pages(p)), bytes_moved=lambda n: n)
         if p.engine.pool.is_released:
             phases.run(it, "wake", p.engine.wake)
@@ -259,7 +259,8 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
         if multiplex:  # the KV pool's contents to NVMe, its DRAM back to the ledger, before the states return
             phases.run(it, "host_out", lambda: p.engine.cache.spill_host(
-                p.store, p.engine.scheduler.paused, next_version=it + 2, max_staleness=p.max_staleness), bytes_moved=lambda n: n)
+                p.store, _sequences(p.engine), next_version=it + 2, max_staleness=p.max_staleness),
+                bytes_moved=lambda n: n)
         groups = p.driver.take_finished_groups()
         local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
         if p.ranks.world > 1:  # the rollout -> train boundary: every rank has finished its rollout
@@ -361,6 +362,12 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
                                 global_counts=(num_tokens, num_seqs))
         bar.advance(metrics["loss"])
     return metrics
+
+
+def _sequences(engine: Engine) -> list:
+    """Every sequence the engine still knows (the paused ones park on the host, preempted ones may be
+    swapped out there)."""
+    return [s for request in engine.requests.values() for s in request.seqs]
 
 
 def _host_pool_pages(p: LoopParts) -> int:

@@ -178,13 +178,13 @@ class CacheManager:
             for seq in self.host_tier.unpark(paused):
                 self.reset(seq)
 
-    def spill_host(self, store: NvmeStore, paused: list[Sequence], next_version: int,
+    def spill_host(self, store: NvmeStore, seqs: list[Sequence], next_version: int,
                    max_staleness: int | None = None) -> int:
         """After `sleep`, before the training states come back: keep what the next rollout (policy
         `next_version`) may use, write it to `store` and give the host pool's DRAM back to the ledger
-        (rollout/host_spill.py). Prefix entries go unless stale prefixes are reused; entries and parked
-        sequences older than `next_version - max_staleness` go (those sequences are reset). Returns
-        the bytes written."""
+        (rollout/host_spill.py). Prefix entries go unless stale prefixes are reused; entries and the
+        sequences among `seqs` parked or swapped out whose KV is older than `next_version -
+        max_staleness` go (those sequences are reset: recomputed). Returns the bytes written."""
         tier = self.host_tier
         if tier is None or tier.host.is_suspended:
             return 0
@@ -201,15 +201,20 @@ class CacheManager:
                     if slot in tier.lru:
                         tier.evict_entry(slot)
         if oldest is not None:
-            drop_parked(tier, [s for s in paused if s.kv_version is not None and s.kv_version < oldest], self.reset)
+            stale = [s for s in seqs if s.kv_version is not None and s.kv_version < oldest]
+            drop_parked(tier, stale, self.reset)
+            for seq in stale:  # swapped out by a preemption: recomputed too
+                if seq.seq_id in tier.swapped:
+                    self.reset(seq)
         self._spilled = write_slots(tier.host, store)
         tier.host.suspend()
         return self._spilled.bytes
 
-    def restore_host(self, store: NvmeStore | None, paused: list[Sequence], num_pages: int) -> int:
+    def restore_host(self, store: NvmeStore | None, seqs: list[Sequence], num_pages: int) -> int:
         """Before `wake`: lease the host pool again (`num_pages`, HostBudgetExceeded if the ledger
         cannot) and read back what `spill_host` kept, into the same slots. A lease too small for the
-        kept slots drops them all (entries forgotten, parked sequences reset). Returns bytes read."""
+        kept slots drops them all (entries forgotten, the parked or swapped sequences among `seqs`
+        reset). Returns bytes read."""
         tier = self.host_tier
         if tier is None or not tier.host.is_suspended:
             return 0
@@ -217,7 +222,10 @@ class CacheManager:
         if used and used[-1] >= num_pages or num_pages < 1:
             if self.prefix is not None:
                 self.prefix.store.clear()
-            drop_parked(tier, paused, self.reset)
+            drop_parked(tier, seqs, self.reset)
+            for seq in seqs:
+                if seq.seq_id in tier.swapped:
+                    self.reset(seq)
             self._spilled = SpilledSlots()
             discard(store)
         if num_pages < 1:  # no DRAM to lend this rollout: no host tier until the next one
