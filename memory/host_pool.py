@@ -14,6 +14,12 @@ the books (tags, free list) stay, the bytes do not: rollout/host_spill.py writes
 NVMe first and reads them back after. `unleased` builds a pool that starts suspended with no page
 (`engine.host_pool_mb=auto`: sized at each rollout from what the ledger has free).
 
+Copies (memory/host_copies.py): `store` and `load` return a `CopyTicket`; on a CUDA pool they run
+on a side stream, non-blocking, straight between the pinned buffer and the device. The device-side
+reader of loaded pages waits on the ticket (`wait_device`, rollout/page_copies.py does); host-side
+readers of the buffer (`page_bytes_view`, `buffer_rows`) and `suspend`/`close` wait here.
+`sync_copies=True` switches to the plain synchronous reference path.
+
 Counters: `bytes_stored` (device -> host) and `bytes_loaded` (host -> device), for the write-back vs
 write-through comparison. Invariant (`check_integrity`): free + used == num_pages; free <=> no tag;
 no duplicate in the free list.
@@ -24,6 +30,7 @@ import heapq
 
 import torch
 
+from memory.host_copies import CopyTicket, HostCopier, load_sync, store_sync
 from memory.host_ledger import HostLedger
 from memory.page_pool import OutOfPages, PagePool
 from memory.pool_figures import PoolFigures
@@ -47,6 +54,9 @@ class HostPagePool(PoolFigures):
         self._pin = pin_memory
         self.bytes_stored = 0
         self.bytes_loaded = 0
+        self.copier = HostCopier()
+        self.sync_copies = False
+        """Copy with the plain synchronous reference (`host_copies.store_sync`/`load_sync`)."""
 
     @classmethod
     def from_bytes(cls, page_bytes: int, pool_bytes: int, **kw) -> "HostPagePool":
@@ -87,6 +97,7 @@ class HostPagePool(PoolFigures):
         if self._suspended:
             return
         leased = self.pool_bytes
+        self.copier.sync()  # no copy may still read or write the buffer being freed
         self._buffer = torch.empty(0, self.page_bytes, dtype=torch.uint8)
         self._suspended = True
         if self.ledger is not None and leased:
@@ -127,6 +138,7 @@ class HostPagePool(PoolFigures):
         self._check_open()
         if self._suspended:
             raise RuntimeError("host KV pool: its buffer is released (suspended)")
+        self.copier.wait_slots(range(first, end))
         return self._buffer[first:end]
 
     def allocate(self, num: int, group: tuple[str, int]) -> list[int]:
@@ -150,24 +162,36 @@ class HostPagePool(PoolFigures):
     def tag(self, page: int) -> tuple[str, int] | None:
         return self._tags[page]
 
-    def store(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> None:
-        """Copy device pages -> host pages (one gather on the device, one copy across)."""
+    def store(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> CopyTicket:
+        """Copy device pages -> host pages (one gather on the device, one copy across per run of
+        consecutive slots). The copy may still run when this returns (CUDA): the host bytes are
+        safe to read once the ticket is waited on (this pool's own readers wait by themselves)."""
         self._check_pairs(host_pages, pool, device_pages)
-        if host_pages:
-            data = pool.read_pages(device_pages)
-            self._buffer.index_copy_(0, torch.tensor(host_pages, dtype=torch.long), data.to("cpu"))
-            self.bytes_stored += len(host_pages) * self.page_bytes
+        if not host_pages:
+            return CopyTicket()
+        self.bytes_stored += len(host_pages) * self.page_bytes
+        if self.sync_copies:
+            store_sync(self._buffer, host_pages, pool, device_pages)
+            return CopyTicket()
+        return self.copier.store(self._buffer, host_pages, pool, device_pages)
 
-    def load(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> None:
-        """Copy host pages -> device pages (one gather on the host, one scatter on the device)."""
+    def load(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> CopyTicket:
+        """Copy host pages -> device pages (one copy across per run of consecutive slots, one scatter
+        on the device). The device pages are safe to read on a stream once it waited on the
+        ticket (`wait_device`); the slots may be freed at once (later copies queue behind this one)."""
         self._check_pairs(host_pages, pool, device_pages)
-        if host_pages:
-            pool.write_pages(device_pages, self._buffer.index_select(0, torch.tensor(host_pages, dtype=torch.long)))
-            self.bytes_loaded += len(host_pages) * self.page_bytes
+        if not host_pages:
+            return CopyTicket()
+        self.bytes_loaded += len(host_pages) * self.page_bytes
+        if self.sync_copies:
+            load_sync(self._buffer, host_pages, pool, device_pages)
+            return CopyTicket()
+        return self.copier.load(self._buffer, host_pages, pool, device_pages)
 
     def page_bytes_view(self, page: int) -> torch.Tensor:
-        """uint8 [page_bytes] view of one host page (tests read entries through it)."""
+        """uint8 [page_bytes] view of one host page (tests read entries through it), its copies waited on."""
         self._check_leased()
+        self.copier.wait_slots([page])
         return self._buffer[page]
 
     def close(self) -> None:
@@ -175,6 +199,7 @@ class HostPagePool(PoolFigures):
         if self._closed:
             return
         leased = self.pool_bytes
+        self.copier.sync()
         self._buffer = torch.empty(0, self.page_bytes, dtype=torch.uint8)
         self._closed = True
         if self.ledger is not None and leased:

@@ -65,11 +65,12 @@ class HostTier:
 
     def _store(self, pages: list[int], keep: Iterable[int] = ()) -> list[int] | None:
         """Copy device `pages` into fresh slots now (one per page, tagged with its group); None
-        (nothing changed) if the host cannot make room."""
+        (nothing changed) if the host cannot make room. The device stream waits on the copy before
+        its next kernel: the caller may free the pages, and the next writer of a page reuses it."""
         if not self.room(len(pages), keep):
             return None
         slots = [self.host.allocate(1, self.pool.group_of_page(p))[0] for p in pages]
-        self.host.store(slots, self.pool, pages)
+        self.host.store(slots, self.pool, pages).wait_device()
         return slots
 
     def _device_pages(self, slots: list[int]) -> list[int]:
@@ -163,7 +164,7 @@ class HostTier:
                 lost.append(seq)
                 continue
             fresh = self._device_pages(new)
-            self.host.load(new, self.pool, fresh)
+            self.host.load(new, self.pool, fresh).wait_device()  # the next forward reads them
             self.pool.incref([page_of[s] for s in slots if s not in new])  # shared with an earlier fork
             page_of.update(zip(new, fresh))
             seq.kda_pages = [page_of[s] for s in kda]
@@ -199,8 +200,8 @@ class HostTier:
         kda, mla = self.swapped.pop(seq.seq_id)
         slots = kda + [s for group in mla for s in group]
         fresh = self._device_pages(slots)
-        self.host.load(slots, self.pool, fresh)
-        self.host.free(slots)  # a later copy into these slots is ordered after this one (one copy stream)
+        self.host.load(slots, self.pool, fresh).wait_device()  # this step's forward reads them
+        self.host.free(slots)  # a later copy into these slots queues behind this one (one copy stream)
         page_of = dict(zip(slots, fresh))
         seq.kda_pages = [page_of[s] for s in kda]
         seq.mla_pages = [[page_of[s] for s in group] for group in mla]

@@ -187,3 +187,24 @@ def test_forks_sharing_pages_and_their_evictor_state_survive_a_swap(tiny_model, 
     assert got == reference
     assert eng.stats()["swapped_in"] == 2 and eng.cache.host_tier.pages_swapped_in == \
         eng.cache.host_tier.pages_swapped_out
+
+
+def test_no_sequence_reads_a_page_before_its_host_copy_is_waited_on(tiny_model):
+    """Multi-turn sessions over a small pool with a host tier (write-backs, prefetched hits, swaps):
+    after every step no sequence holds a page whose load no device stream waited on; a prefetch
+    issued right before a forward stays in flight through it (the overlap), read a step later."""
+    from tests.rollout.test_prefix_cache import run
+    seen = {"in_flight": 0}
+
+    def ordering(eng: Engine) -> None:
+        unsettled = eng.cache.host_tier.copies.unsettled_loads()
+        held = {p for r in eng.requests.values() for s in r.seqs
+                for p in s.kda_pages + [q for group in s.mla_pages for q in group]}
+        assert not held & unsettled, f"pages {sorted(held & unsettled)} are read before their copy is waited on"
+        seen["in_flight"] += bool(unsettled)
+        check(eng)
+
+    _, plain, _ = run(tiny_model, prefix=False, num_pages=24, budget=40)
+    eng, cached, _ = run(tiny_model, prefix=True, num_pages=24, budget=40, host_pages=40, verify=ordering)
+    assert cached == plain
+    assert eng.cache.prefix.pages_prefetched > 0 and seen["in_flight"] > 0
