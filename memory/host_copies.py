@@ -133,6 +133,9 @@ class HostCopier:
     def _issued(self, host_pages: list[int], ticket: CopyTicket) -> CopyTicket:
         for slot in host_pages:
             self.pending[slot] = ticket
+        # Waited on by the device already (swaps, evictions): dropped here, so the list stays short
+        # in an engine whose flush never runs (no prefix cache).
+        self.unsettled = [t for t in self.unsettled if not t.device_waited]
         self.unsettled.append(ticket)
         return ticket
 
