@@ -9,7 +9,9 @@ everything at once forces preemptions (recompute) while sending too little leave
 idle. Each setting runs the same workload on a fresh engine, all in this run, in `--repeats`
 interleaved rounds (each setting's fastest round counts); throughput is generated tokens per second.
 `--prefix-cache 16` runs every setting with the prefix cache on (later turns hit earlier ones; the
-throttle counts pages only the cache holds as free). Final line:
+throttle counts pages only the cache holds as free and projects each sequence's resume point in the
+cache; each setting also prints the tokens run through the model and the prompt tokens the cache
+served). Final line:
 auto_vs_best_fixed=... auto_vs_worst_fixed=... preemptions_auto=... preemptions_best_fixed=...
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ def run_setting(model: HybridLM, args: argparse.Namespace, max_concurrency: int 
     generated = sum(len(o.samples[0].tokens) for o in outputs)
     assert len(outputs) == args.conversations * args.turns
     return {"tok_s": generated / elapsed, "preemptions": engine.scheduler.num_preemptions,
-            "steps": engine.num_steps, "mean_limit": (sum(dispatcher.auto.history) / len(dispatcher.auto.history)
+            "steps": engine.num_steps, "computed": engine.num_computed_tokens,
+            "hit": engine.cache.prefix.hit_tokens if engine.cache.prefix is not None else 0, "mean_limit": (sum(dispatcher.auto.history) / len(dispatcher.auto.history)
                                                       if dispatcher.auto else float(max_concurrency))}
 
 
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--answer-tokens", type=int, default=24)
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--fixed", type=int, nargs="+", default=[2, 8, 32])
-    p.add_argument("--repeats", type=int, default=2, help="rounds over all settings; each setting's best counts")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over all settings; each setting's best counts")
     p.add_argument("--prefix-cache", type=int, default=None, metavar="HASH_BLOCK",
                    help="turn the engine's prefix cache on with this hash block (every setting; later turns hit)")
     args = p.parse_args(argv)
@@ -84,8 +87,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if name not in results or r["tok_s"] > results[name]["tok_s"]:
                 results[name] = r
     for name, r in results.items():
+        cache = f"  computed {r['computed']:6d}  hit {r['hit']:5d}" if args.prefix_cache else ""
         print(f"{name:8s} {r['tok_s']:7.0f} tok/s  preemptions {r['preemptions']:4d}  steps {r['steps']:4d}  "
-              f"mean limit {r['mean_limit']:.1f}", flush=True)
+              f"mean limit {r['mean_limit']:.1f}{cache}", flush=True)
     fixed = [results[f"fixed{s}"] for s in args.fixed]
     best = max(fixed, key=lambda r: r["tok_s"])
     worst = min(fixed, key=lambda r: r["tok_s"])
