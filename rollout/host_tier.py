@@ -130,9 +130,13 @@ class HostTier:
     def park(self, seqs: list[Sequence]) -> list[Sequence]:
         """Copy the pages of every sequence in `seqs` that holds some to slots (a page shared by
         forks once), before cached entries. Returns the sequences parked, whose device references
-        the caller drops; one the host cannot take is not parked."""
+        the caller drops; one the host cannot take is not parked. A swapped-out one among `seqs`
+        is parked as it is (its slots change hands, no copy): over a sleep every paused sequence
+        on the host is a parked one, restored by `unpark` (or dropped by the NVMe spill's policy)."""
+        parked = [s for s in seqs if s.seq_id in self.swapped]
+        for seq in parked:
+            self.parked[seq.seq_id] = self.swapped.pop(seq.seq_id)
         slot_of: dict[int, int] = {}
-        parked = []
         for seq in [s for s in seqs if s.holds_pages]:
             pages = seq.kda_pages + [p for group in seq.mla_pages for p in group]
             new = list(dict.fromkeys(p for p in pages if p not in slot_of))

@@ -194,9 +194,13 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """Free every sequence's pages (sleep): running ones go back to waiting, in order, to be
-        recomputed (the host tier's room is kept for the paused ones and the prefix cache's entries;
-        sequences already swapped out stay there)."""
+        recomputed, and so are waiting ones swapped out earlier (their slots freed): the host
+        tier's room is kept for the paused ones (parked, swapped ones included) and the prefix
+        cache's entries."""
         step = ScheduledStep()
         for seq in sorted(self.running + [s for s in self.paused if s.holds_pages],
                           key=lambda s: -s.admitted_at):
             self._preempt(seq, step, swap=False)
+        for seq in self.waiting:
+            if self.cache.is_swapped(seq):
+                self.cache.reset(seq)

@@ -14,6 +14,7 @@ from rollout.kv_eviction import KVBudgetConfig
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.request import SeqStatus
 from rollout.sampling import SamplingParams
+from tests.rollout.conftest import greedy_reference
 
 
 def prompts(lens: list[int], seed: int) -> list[list[int]]:
@@ -150,9 +151,11 @@ def test_swapping_with_the_prefix_cache_keeps_its_entries_consistent(tiny_model)
     assert eng.cache.host_tier.num_swapped_slots == 0
 
 
-def forks_swapped_while_paused(model, swap: bool, kv_budget: KVBudgetConfig | None) -> tuple[list, Engine]:
+def forks_swapped_while_paused(model, swap: bool, kv_budget: KVBudgetConfig | None,
+                               sleep: bool = False) -> tuple[list, Engine]:
     """A request of 2 seeded forks runs alone, is paused, (swapped out through the cache manager's
-    `preempt`,) resumed, and runs to the end: the same batches with or without the swap."""
+    `preempt`,) (the engine sleeps and wakes,) resumed, and runs to the end: the same batches with
+    or without the swap."""
     eng = engine(model, num_pages=40, host_pages=20, kv_budget=kv_budget, block_tokens=16)
     (prompt,) = prompts([50], seed=4)
     r = eng.add_request(prompt, SamplingParams(temperature=1.0, top_p=0.9, n=2, seed=9, max_new_tokens=60,
@@ -171,6 +174,11 @@ def forks_swapped_while_paused(model, swap: bool, kv_budget: KVBudgetConfig | No
         if kv_budget is not None:
             assert all(s.kv_pruned for s in forks), "the forks were meant to have evicted tokens before the swap"
         check(eng)
+    if sleep:  # paused forks on the device are parked, swapped ones become parked as they are
+        eng.sleep()
+        assert eng.cache.num_parked_pages > 0 and not eng.cache.host_tier.swapped
+        eng.wake()
+        assert all(s.holds_pages for s in forks)
     eng.resume(r)
     while eng.has_unfinished:
         step(eng, outs)
@@ -214,3 +222,31 @@ def test_no_sequence_reads_a_page_before_its_host_copy_is_waited_on(tiny_model, 
         assert eng.cache.prefix.pages_prefetched > 0 and seen["in_flight"] > 0
     else:
         assert eng.stats()["swapped_in"] == eng.stats()["swapped_out"] >= 1
+
+
+def test_swapped_forks_are_parked_over_a_sleep_and_come_back_bit_identical(tiny_model):
+    reference, _ = forks_swapped_while_paused(tiny_model, swap=False, kv_budget=None, sleep=True)
+    got, _ = forks_swapped_while_paused(tiny_model, swap=True, kv_budget=None, sleep=True)
+    assert got == reference
+
+
+def test_a_sleep_recomputes_waiting_swapped_sequences_and_frees_their_slots(tiny_model):
+    eng = engine(tiny_model, num_pages=14, host_pages=20)
+    p_prompt, g_prompt = prompts([70, 50], seed=3)
+    p = eng.add_request(p_prompt, SamplingParams(temperature=0.0, n=2, max_new_tokens=30, ignore_eos=True))
+    g = eng.add_request(g_prompt, SamplingParams(temperature=0.0, max_new_tokens=150, ignore_eos=True))
+    for _ in range(8):
+        eng.step()
+    eng.pause(p)
+    (seq,) = eng.requests[g].seqs
+    while not eng.cache.is_swapped(seq):
+        eng.step()
+    eng.sleep()  # like the running ones, it restarts from token 0; the paused forks are parked
+    assert not eng.cache.is_swapped(seq) and seq.num_computed == 0 and eng.cache.host_tier.num_swapped_slots == 0
+    eng.wake()
+    eng.resume(p)
+    outs: dict = {}
+    while eng.has_unfinished:
+        step(eng, outs)
+    assert outs[g].samples[0].tokens == greedy_reference(tiny_model, g_prompt, 150)[0]
+    assert eng.host.num_free == eng.host.num_pages
