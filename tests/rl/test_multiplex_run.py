@@ -51,7 +51,7 @@ def test_states_and_host_pool_take_turns_in_a_budget_that_cannot_hold_both(tmp_p
         pairs += zip(planned, ran)
     for p, r in pairs:
         want, got = p.memory, r["memory"]
-        for k in ("host_pool", "host_masters", "disk_spilled"):
+        for k in ("host_pool", "host_masters", "disk_spilled", "device_pool", "device_weights"):
             assert want[k] == got[k], (r["iteration"], r["phase"], k, want[k], got[k])
         assert got["disk_kv_pool"] <= want["disk_kv_pool"] or r["phase"] == "host_out", (r["phase"], got, want)
     steady = [r["memory"] for r in records if r["phase"] == "train"]
