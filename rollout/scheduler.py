@@ -102,7 +102,7 @@ class Scheduler:
                     continue
                 want = self.cache.chunk(seq, budget)
                 if not self.cache.grow(seq, want):
-                    if swapped:  # swap_in counted the growth: only a pool shared otherwise gets here
+                    if swapped:  # swap_in made room for this growth too; should it still fail, back out
                         self._count(self.cache.preempt(seq))
                     elif seq.holds_pages:  # a prefix hit that cannot grow now: waiting sequences hold nothing
                         self.cache.reset(seq)
