@@ -23,7 +23,9 @@ MLA group). The full pages a hit shares are held by the sequence, so its project
 already. Without that headroom the running sequences' growth evicts the checkpoints the next turns
 resume from (fewer hits, more prefill), or finds nothing evictable while the checkpoints cut at a
 hash boundary wait on their page copy (pinned until the next forward pass; sequences admitted
-together cross boundaries together) and preempts. Measured on `benchmarks.throttle`: docs/rollout.md.
+together cross boundaries together) and preempts. A follow-up waiting in the backlog keeps its
+finished turn's resume point reserved until it is sent, or the others' growth evicts it first.
+Measured on `benchmarks.throttle`: docs/rollout.md.
 """
 from __future__ import annotations
 
@@ -118,6 +120,9 @@ class Dispatcher:
         self.backlog: deque[Submission] = deque()
         self.in_flight: dict[str, Submission] = {}
         self._projected: dict[str, int] = {}  # request -> pages it holds at full length
+        # The resume point of each follow-up queued at the front of the backlog (in order): its
+        # conversation's prefix is cached, and the pages stay reserved until it is sent.
+        self._queued_resume: deque[int] = deque()
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
         """Pages the request's sequences hold at full length (prompt + max_new_tokens), plus, with the
@@ -137,10 +142,13 @@ class Dispatcher:
         return cache.num_kda_groups + cache.num_mla_groups
 
     def _room_for(self, prompt: list[int], params: SamplingParams) -> bool:
+        """Whether the backlog's head fits: in-flight projections + the resume points the other
+        queued follow-ups keep reserved + its own projection within `kv_overcommit` x the pool."""
         if self.auto is None or not self.in_flight:
             return True  # a fixed limit is the whole policy; one request always goes
         budget = self.config.kv_overcommit * self.engine.pool.num_pages
-        return sum(self._projected.values()) + self._full_length_pages(prompt, params) <= budget
+        reserved = sum(self._queued_resume) - (self._queued_resume[0] if self._queued_resume else 0)
+        return sum(self._projected.values()) + reserved + self._full_length_pages(prompt, params) <= budget
 
     def signals(self) -> dict[str, float]:
         """`Engine.stats()` as the throttle reads it: `pool_utilization` leaves out the pages only the
@@ -170,6 +178,7 @@ class Dispatcher:
         in_flight, backlog = list(self.in_flight.items()), list(self.backlog)
         self.in_flight.clear()
         self._projected.clear()
+        self._queued_resume.clear()
         self.backlog.clear()
         return in_flight, backlog
 
@@ -190,6 +199,8 @@ class Dispatcher:
                     kv_bound = True
                     break
                 sub = self.backlog.popleft()
+                if self._queued_resume:
+                    self._queued_resume.popleft()
                 request_id = self.engine.add_request(sub.prompt, sub.params, turn_boundaries=sub.turn_boundaries)
                 self.in_flight[request_id] = sub
                 self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
@@ -201,6 +212,7 @@ class Dispatcher:
                     on_output(out)
                 nxt = follow_up(out) if follow_up is not None else []
                 self.backlog.extendleft(reversed(nxt))  # the next turns go first: their prefixes are hot
+                self._queued_resume.extendleft(reversed([self._resume_pages * sub.params.n for sub in nxt]))
             if self.auto is not None:
                 self.auto.update(self.signals(), hold=kv_bound or not self.backlog)
         return outputs
