@@ -140,6 +140,10 @@ class ExperimentConfig:
     """Parameter dtype on the device: "fp32" or "bf16" (Megatron's recipe: bf16 weights, FP32 gradient
     slots, FP32 masters and AdamW moments on the host; models/precision.py). A checkpoint to start
     from or resume must have been written in the same dtype."""
+    num_threads: int | None = None
+    """CPU threads of each rank's torch ops (torch.set_num_threads); null = torch's default (one per
+    core). A tiny model gains little from more than one, and loses much when other processes share
+    the cores (the threads spin-wait on each other)."""
 
     def __post_init__(self) -> None:
         try:
@@ -148,6 +152,8 @@ class ExperimentConfig:
             raise ValueError(f"experiment.{err}") from None
         if self.iterations < 1:
             raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"experiment.num_threads={self.num_threads}, expected >= 1 or null (torch's default)")
         if self.max_idle_iterations < 1:
             raise ValueError(f"experiment.max_idle_iterations={self.max_idle_iterations}, expected >= 1")
         if not self.collective_timeout_s > 0:
