@@ -7,7 +7,8 @@ files (metrics.jsonl, phases.jsonl, the warm-up's record) into summary.json's fl
 - the reward: first, final (mean of the last tenth of the iterations, at least 3), and with a
   warm-up the reward before and after it, what each part gained and the warm-up's share;
 - the mechanisms: prefix-cache hit tokens and hit fraction, host KV pool bytes (its size, the most
-  parked partial rollouts held), trajectories carried over, optimizer bytes spilled to NVMe (on
+  parked partial rollouts held), trajectories carried over (summed over iterations, at most, and
+  the iterations that carried any), optimizer bytes spilled to NVMe (on
   disk at most, written and read in all) and the reference stream's seconds and bytes.
 Only the figures a run logged appear (a run without a prefix cache has no hit figures).
 """
@@ -78,6 +79,10 @@ def mechanism_figures(records: list[dict], phases: list[dict]) -> dict[str, floa
         values = [r[key] for r in records if key in r]
         if values:
             out[f"{key}_total"] = float(sum(values))
+    carried = [r["trajectories_carried"] for r in records if "trajectories_carried" in r]
+    if carried:
+        out["iterations_with_carry_over"] = float(sum(c > 0 for c in carried))
+        out["trajectories_carried_max"] = float(max(carried))
     for key in ("prefix_hit_frac", "stale_token_frac", "ref_stream_s"):
         values = [r[key] for r in records if key in r]
         if values:

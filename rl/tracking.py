@@ -346,7 +346,7 @@ def _draw_warmup(ax, warmup: dict, last: int):
 MECHANISM_PANELS = (
     ("prefix cache: hit fraction of KV tokens", ["prefix_hit_frac"], "metrics", 1),
     ("host KV pool, MiB", ["host_pool", "host_parked"], "phases", 2**20),
-    ("optimizer states on NVMe, MiB", ["disk_spilled"], "phases", 2**20),
+    ("on NVMe: optimizer states, host KV pool contents; MiB", ["disk_spilled", "disk_kv_pool"], "phases", 2**20),
     ("reference stream, s", ["ref_stream_s", "ref_stream_wait_s"], "metrics", 1),
     ("partial rollouts carried over", ["trajectories_carried"], "metrics", 1),
 )
@@ -356,8 +356,9 @@ a phases.jsonl memory key at its largest within the iteration."""
 
 def plot_mechanisms(metrics: list[dict], phases: list[dict], path: Path) -> None:
     """One panel per memory mechanism the run used (MECHANISM_PANELS), against iteration: prefix hit
-    fraction, host KV pool bytes (and its parked partial rollouts), optimizer bytes on NVMe, the
-    reference stream's seconds, trajectories carried over. Nothing is written when none has data."""
+    fraction, host KV pool bytes (and its parked partial rollouts), bytes on NVMe (optimizer states,
+    the host pool's contents between rollouts), the reference stream's seconds, trajectories
+    carried over. Nothing is written when none has data."""
     series = []
     for title, keys, source, unit in MECHANISM_PANELS:
         lines = {}

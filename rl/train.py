@@ -67,10 +67,10 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
 RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s", "experiment.max_idle_iterations",
                      "tracking.", "checkpoint.", "rollout.budget_tokens", "rollout.budget_seconds",
                      "rollout.max_drop_fraction", "rollout.env_timeout_s", "resume", "run_dir",
-                     "experiment.checkpoint", "warmup.")
+                     "experiment.checkpoint", "experiment.num_threads", "warmup.")
 """Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
-on, its checkpoints' cadence, its budgets and fault limits (and experiment.checkpoint and the warm-up,
-read only by a new run). Any other change is refused."""
+on, its checkpoints' cadence, its budgets and fault limits, its CPU threads (and experiment.checkpoint
+and the warm-up, read only by a new run). Any other change is refused."""
 
 
 def resolved_config(cfg: RunConfig) -> dict:
@@ -265,6 +265,8 @@ def _fault_from_env():
 def run(cfg: RunConfig) -> list[dict[str, float]]:
     """One run (or its continuation with cfg.resume); returns the metrics of the iterations run
     (global over ranks, on every rank). Under torchrun the process group lives for this call."""
+    if cfg.experiment.num_threads is not None:
+        torch.set_num_threads(cfg.experiment.num_threads)
     # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
     ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s)
     try:

@@ -42,6 +42,7 @@ def test_the_default_run_has_every_mechanism_on():
     assert cfg.has_host_pool and cfg.memory.spill_dir is not None
     assert cfg.algo.loss.kl_coef > 0 and cfg.memory.reference == "stream"
     assert cfg.rollout.budget_tokens is not None and cfg.rollout.partial_resume == "kv"
+    assert cfg.experiment.num_threads == 1
 
 
 def test_unknown_key_names_it():
@@ -71,6 +72,8 @@ def test_wrong_type_names_key_and_value():
     ("kv_budget=h2o engine.kv_budget.budget_tokens=64 engine.kv_budget.policy=lru",
      ["unknown eviction policy 'lru'", "'infinigen'"]),
     ("engine.prefix_cache.hash_block=16", ["engine.prefix_cache.hash_block=16", "prefix_cache=on"]),
+    ("experiment.num_threads=0", ["experiment.num_threads=0", ">= 1 or null"]),
+    ("warmup.steps=-1", ["warmup", "steps=-1", "expected steps >= 0"]),
     ("trainer.chunk_split=bytes", ["trainer.chunk_split='bytes'", "'layers', 'params'"]),
     ("trainer.num_chunks=9", ["trainer.num_chunks=9", "at most 8 for a model of 8 layers", "'params' allows layers + 2"]),
 ])
