@@ -102,10 +102,14 @@ def mechanism_figures(records: list[dict], phases: list[dict]) -> dict[str, floa
     return out
 
 
-def run_summary(run_dir: str | Path, warmup: dict | None = None) -> dict[str, float]:
-    """summary.json's figures (see the module docstring); {} before any iteration logged a reward."""
+def run_summary(run_dir: str | Path, warmup: dict | None = None, ceiling: float | None = None) -> dict[str, float]:
+    """summary.json's figures (see the module docstring; `ceiling`: the task's best constant-answer
+    reward, as `constant_answer_ceiling`); {} before any iteration logged a reward."""
     run_dir = Path(run_dir)
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("reward_mean") == r.get("reward_mean")]
     if not records:
         return {}
-    return {**reward_figures(records, warmup), **mechanism_figures(records, read_jsonl(run_dir / "phases.jsonl"))}
+    out = reward_figures(records, warmup)
+    if ceiling is not None:
+        out["constant_answer_ceiling"] = ceiling
+    return {**out, **mechanism_figures(records, read_jsonl(run_dir / "phases.jsonl"))}

@@ -167,16 +167,17 @@ class Tracker:
     def train_progress(self, total_steps: int) -> TrainProgress:
         return TrainProgress(total_steps, self.console, enabled=self.config.progress and self.writer)
 
-    def finish(self, summary: dict[str, float], warmup: dict | None = None) -> None:
+    def finish(self, summary: dict[str, float], warmup: dict | None = None, ceiling: float | None = None) -> None:
         """Write the plots (those with data, if enabled) and summary.json, print the summary
         table, and finish the wandb run. `warmup`: the supervised warm-up's record (rl/warmup.py),
-        drawn before the RL iterations on the reward plot."""
+        drawn before the RL iterations on the reward plot; `ceiling`: the best reward a constant
+        answer can score (the task's), drawn as a line on it."""
         clean = {name: _check_number(name, value) for name, value in summary.items()}
         if not self.writer:
             return
         if self.config.plots:
             metrics, phases = read_jsonl(self.metrics_path), read_jsonl(self.phases_path)
-            _plot_reward(metrics, self.run_dir / "reward.png", warmup)
+            _plot_reward(metrics, self.run_dir / "reward.png", warmup, ceiling)
             _plot_memory(phases, self.run_dir / "memory.png")
             plot_mechanisms(metrics, phases, self.run_dir / "mechanisms.png")
         (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
@@ -253,11 +254,12 @@ def _pyplot():
     return plt
 
 
-def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None) -> None:
+def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None, ceiling: float | None = None) -> None:
     """reward_mean (and reward_correct_frac if logged) against iteration; skipped without data.
     With a warm-up record: its steps drawn left of iteration 0 (shaded, one step per unit, their
     demonstration loss on a second axis), the reward measured before and after it as two points,
-    the level after it dashed across the RL iterations (what RL added is above that line)."""
+    the level after it dashed across the RL iterations (what RL added is above that line). With a
+    `ceiling`: the best constant answer's reward, dotted."""
     keys = [k for k in ("reward_mean", "reward_correct_frac") if any(k in r for r in records)]
     if "reward_mean" not in keys:
         return
@@ -267,6 +269,8 @@ def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None) ->
         points = [(r["iteration"], r[key]) for r in records if key in r]
         ax.plot([x for x, _ in points], [y for _, y in points], marker=".", markersize=3, linewidth=0.8, label=key)
     twin = _draw_warmup(ax, warmup, last=max(r["iteration"] for r in records)) if warmup is not None else None
+    if ceiling is not None:
+        ax.axhline(ceiling, color="grey", linestyle=":", linewidth=1.0, label=f"best constant answer ({ceiling:.3f})")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("warm-up step - steps | RL iteration" if warmup is not None else "iteration")
     ax.set_ylabel("reward")

@@ -43,6 +43,7 @@ from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
 from rl.rollout import RolloutDriver
 from rl.figures import TimedStreamedReference, run_summary
+from rl.tasks.base import make_task
 from rl.tracking import Tracker
 from rl.warmup import load_record, run_warmup
 from rollout.engine import Engine
@@ -336,7 +337,9 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
     history = run_loop(parts, start, cfg.experiment.iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
                        max_idle_iterations=cfg.experiment.max_idle_iterations, fault=_fault_from_env())
     if ranks.is_writer:
-        parts.tracker.finish(run_summary(run_dir, warmup), warmup=warmup)
+        # the best a constant answer scores, where the task states it: the bar a rising reward must clear
+        ceiling = getattr(make_task(cfg.task.name, **cfg.task.params), "constant_answer_ceiling", None)
+        parts.tracker.finish(run_summary(run_dir, warmup, ceiling), warmup=warmup, ceiling=ceiling)
     ranks.barrier()  # rank 0's files are complete when any rank returns
     return history
 

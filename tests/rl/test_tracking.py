@@ -120,7 +120,7 @@ def test_a_warmup_and_the_mechanisms_are_plotted(tmp_path):
         tracker.log_phase(it, "rollout", 1.0, 0, memory(8 << 20, 0, host_parked=1 << 20, disk_spilled=7 << 20))
     warmup = {"steps": [{"step": s, "loss": 3.0 - s} for s in range(3)], "reward_before": 0.0, "reward_after": 0.28,
               "seconds": 1.0}
-    tracker.finish({"x": 1.0}, warmup=warmup)
+    tracker.finish({"x": 1.0}, warmup=warmup, ceiling=0.034)
     for name in ("reward.png", "memory.png", "mechanisms.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
     other = tmp_path / "plain"

@@ -102,3 +102,15 @@ def test_the_summary_states_the_warmups_share_of_the_gain():
     assert figures["reward_final"] == pytest.approx(0.6)  # the last tenth, at least 3 iterations
     assert figures["warmup_gain"] == pytest.approx(0.3) and figures["rl_gain"] == pytest.approx(0.3)
     assert figures["warmup_share_of_gain"] == pytest.approx(0.5) and figures["warmup_steps"] == 4
+
+
+def test_the_default_runs_summary_states_the_constant_answer_ceiling(tmp_path):
+    """The task's best constant-answer reward is in summary.json, the bar the run must clear."""
+    from rl.figures import run_summary
+    from rl.tracking import Tracker, TrackingConfig
+
+    tracker = Tracker(tmp_path, TrackingConfig(wandb_mode="disabled", progress=False, plots=False), run_config={})
+    tracker.log(0, {"reward_mean": 0.5})
+    ceiling = make_task("key_lookup", brackets=False).constant_answer_ceiling
+    summary = run_summary(tmp_path, None, ceiling)
+    assert summary["constant_answer_ceiling"] == pytest.approx(0.0342, abs=1e-4) and summary["reward_final"] == 0.5
