@@ -220,8 +220,9 @@ class Engine:
         """Runtime signals (logging, the dispatcher's auto-throttle): queue sizes, pool use, preemptions
         (all of them; `swapped_out` + `recomputed` split them by kind, `swapped_in` counts returns).
         `pool_utilization` counts every used page, those only the prefix cache holds included
-        (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step):
-        counting them as free let the auto-throttle over-admit with the cache on (docs/rollout.md)."""
+        (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step; the
+        dispatcher's `signals()` counts them free above its watermark and reserves each sequence's
+        resume point, docs/rollout.md). Plus the cache's counters (`CacheManager.stats`)."""
         sched = self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
