@@ -10,6 +10,9 @@ parameters no token reached: AdamW skips None gradients but still decays zero on
 Backends: DeepSpeed's CPU Adam (a JIT-built C++ op, ~1 min to build the first time, cached in
 TORCH_EXTENSIONS_DIR; matches torch AdamW to ~1e-7) or torch.optim.AdamW. "auto" takes DeepSpeed's
 when it builds and otherwise says loudly that it falls back to torch.
+
+The lr follows `OptimizerConfig.lr_schedule` (trainer/lr_schedule.py: warm-up, then constant,
+linear or cosine decay); its position is part of the optimizer's state, so a resume continues it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from torch import nn
 
 from kernels.jit import announce_build
 from memory.nvme_store import NvmeStore
+from trainer.lr_schedule import LR_SCHEDULES, lr_factor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +43,25 @@ class OptimizerConfig:
     """Decoupled weight decay."""
     backend: str = "auto"
     """"deepspeed" (DeepSpeedCPUAdam), "torch" (torch.optim.AdamW) or "auto" (deepspeed if it builds)."""
+    lr_schedule: str = "constant"
+    """The lr over optimizer steps (trainer/lr_schedule.py): "constant", "linear" or "cosine" decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to `lr` (every schedule), >= 0; 0 = none."""
+    min_lr_ratio: float = 0.0
+    """Floor of the linear / cosine decay, as a fraction of `lr`, in [0, 1]."""
+    total_steps: int | None = None
+    """Decay horizon in optimizer steps (lr reaches min_lr_ratio * lr there); None = the run's
+    (`Trainer(total_steps=)`: iterations x optimizer steps per iteration)."""
 
     def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}, expected one of {sorted(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}, expected >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}, expected a value in [0, 1]")
+        if self.total_steps is not None:
+            check_horizon(self, self.total_steps)
         if self.backend not in ("auto", "deepspeed", "torch"):
             raise ValueError(f"backend={self.backend!r}, expected 'auto', 'deepspeed' or 'torch'")
         if not self.lr > 0:
@@ -49,6 +70,20 @@ class OptimizerConfig:
             raise ValueError(f"betas={self.betas}, expected values in [0, 1)")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(f"eps={self.eps} (> 0), weight_decay={self.weight_decay} (>= 0) out of range")
+
+
+def check_horizon(config: OptimizerConfig, total_steps: int | None) -> None:
+    """Raise ValueError unless `total_steps` (the resolved decay horizon) suits `config`'s schedule."""
+    if total_steps is None:
+        if config.lr_schedule != "constant":
+            raise ValueError(f"lr_schedule={config.lr_schedule!r} decays over total_steps, but none is known: set "
+                             f"trainer.optimizer.total_steps or pass Trainer(total_steps=)")
+        return
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps}, expected >= 1 optimizer steps")
+    if config.warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps={config.warmup_steps} > total_steps={total_steps}, expected the warm-up "
+                         f"to fit in the schedule's horizon")
 
 
 def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple[torch.optim.Optimizer, str]:
@@ -69,8 +104,24 @@ def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple
 
 
 class ShardedHostAdamW:
+    """total_steps: the schedule's decay horizon when `config.total_steps` is None (the run's:
+    iterations x optimizer steps per iteration); `config.total_steps` wins when both are given.
+
+    Learning rate: Adam's param groups hold the base lr (`config.lr`, or what a caller sets for a
+    block); each `step` runs at base x `lr_factor(schedule_step)` (the factor is exactly 1 for a
+    constant schedule past its warm-up, so the update is unchanged) and puts the base back, for the
+    torch and the DeepSpeed backend alike (both read `group["lr"]` at every step). `schedule_step`
+    counts the steps taken (a skipped step takes none) and is saved in `state_dict`."""
+
     def __init__(self, chunk_params: list[list[nn.Parameter]], config: OptimizerConfig,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, total_steps: int | None = None) -> None:
+        self.config = config
+        self.total_steps = config.total_steps if config.total_steps is not None else total_steps
+        """The resolved decay horizon (None: constant schedule without one)."""
+        check_horizon(config, self.total_steps)
+        self.schedule_step = 0
+        """Optimizer steps taken under the schedule: the position of the next step."""
+        self._scheduled = True
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -131,7 +182,19 @@ class ShardedHostAdamW:
         missing = [c for c, m in enumerate(self.masters) if m.grad is None]
         if missing:
             raise RuntimeError(f"optimizer step without gradients for chunks {missing}")
-        self.adam.step()
+        if self._scheduled:
+            bases = [g["lr"] for g in self.adam.param_groups]
+            factor = self.lr_factor()
+            for g in self.adam.param_groups:
+                g["lr"] = g["lr"] * factor
+            try:
+                self.adam.step()
+            finally:
+                for g, base in zip(self.adam.param_groups, bases):
+                    g["lr"] = base
+            self.schedule_step += 1
+        else:
+            self.adam.step()
         for c, (params, master) in enumerate(zip(self.chunk_params, self.masters)):
             if self.world > 1:  # gathered on the parameters' device (NCCL cannot gather host tensors)
                 mine = master.data.to(params[0].device)
@@ -145,6 +208,30 @@ class ShardedHostAdamW:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype))
                 offset += p.numel()
             master.grad = None
+
+    # ---- learning-rate schedule ---------------------------------------------------------------------
+    def lr_factor(self) -> float:
+        """The schedule's factor for the next step (1 inside `unscheduled`)."""
+        if not self._scheduled:
+            return 1.0
+        c = self.config
+        return lr_factor(c.lr_schedule, self.schedule_step, warmup_steps=c.warmup_steps,
+                         min_lr_ratio=c.min_lr_ratio, total_steps=self.total_steps)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step runs at (the first param group's base x the factor)."""
+        return self.adam.param_groups[0]["lr"] * self.lr_factor()
+
+    @contextmanager
+    def unscheduled(self) -> Iterator[None]:
+        """Inside: steps run at the param groups' lr as it stands and do not advance the schedule
+        (a supervised warm-up with its own lr before the RL schedule starts)."""
+        saved, self._scheduled = self._scheduled, False
+        try:
+            yield
+        finally:
+            self._scheduled = saved
 
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's optimizer holds now: FP32 master shards, their gradients and
@@ -262,7 +349,7 @@ class ShardedHostAdamW:
     def state_dict(self) -> dict:
         self._require_resident("state_dict")
         return {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
-                "rank": self.rank, "world": self.world}
+                "rank": self.rank, "world": self.world, "schedule_step": self.schedule_step}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -275,8 +362,15 @@ class ShardedHostAdamW:
                 raise ValueError(f"optimizer shard shape {tuple(saved.shape)} != expected {tuple(master.shape)}")
             master.copy_(saved)
         self.adam.load_state_dict(state["adam"])
+        # Shards written before the lr schedule existed: every step they took was a scheduled one.
+        self.schedule_step = int(state["schedule_step"]) if "schedule_step" in state else self._adam_steps()
         if self.backend == "deepspeed":
             self._replay_deepspeed_steps()
+
+    def _adam_steps(self) -> int:
+        """Steps Adam's state records (its per-parameter `step`; 0 before the first)."""
+        stepped = [p for p in self.adam.param_groups[0]["params"] if self.adam.state.get(p)]
+        return int(self.adam.state[stepped[0]]["step"]) if stepped else 0
 
     def _replay_deepspeed_steps(self) -> None:
         """DeepSpeed's C++ Adam keeps beta^t between calls: the first parameter of a step multiplies
@@ -285,7 +379,7 @@ class ShardedHostAdamW:
         powers, and with them a resumed run, are bit for bit those of the run that never stopped."""
         group = self.adam.param_groups[0]
         stepped = [p for p in group["params"] if self.adam.state.get(p)]
-        steps = int(self.adam.state[stepped[0]]["step"]) if stepped else 0
+        steps = self._adam_steps()
         empty = torch.empty(0, device="cpu")  # host Adam: its states are on the host
         for step in range(1, steps + 1):
             for _ in stepped:

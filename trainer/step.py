@@ -123,7 +123,9 @@ class Trainer:
     (synced after each step; released on offload, leased again before restore)."""
 
     def __init__(self, model: HybridLM, config: TrainerConfig, group: dist.ProcessGroup | None = None,
-                 ledger: HostLedger | None = None) -> None:
+                 ledger: HostLedger | None = None, total_steps: int | None = None) -> None:
+        """total_steps: the lr schedule's decay horizon in optimizer steps when
+        `config.optimizer.total_steps` is None (the RL run's: iterations x steps per iteration)."""
         self.model, self.config, self.group, self.ledger = model, config, group, ledger
         self._leased_bytes = 0
         odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype not in (torch.float32, torch.bfloat16)})
@@ -138,7 +140,7 @@ class Trainer:
                     # FP32 slot view and dropped at once, so .grad never holds the real gradient.
                     p.register_post_accumulate_grad_hook(_accumulate_main_grad)
                     p._main_grad_hooked = True  # one hook per parameter, however many trainers see it
-        self.optimizer = ShardedHostAdamW(self.chunk_params, config.optimizer, group)
+        self.optimizer = ShardedHostAdamW(self.chunk_params, config.optimizer, group, total_steps=total_steps)
         device = next(model.parameters()).device
         slot_numel = max(self.optimizer.padded_numel(c) for c in range(config.num_chunks))
         self.arena = GradArena(slot_numel, config.num_grad_slots, device)
@@ -246,6 +248,8 @@ class Trainer:
         norm (on any rank) skips the update on every rank (weights, masters, AdamW moments and step
         counters untouched; `skipped` = 1, `nonfinite_grad` = 1 when the loss was finite but a
         gradient was not); more than `max_bad_steps` such steps in a row raise FloatingPointError.
+        `lr` in the metrics: the step's learning rate under the schedule (a skipped step does not
+        advance it).
         """
         self._check_batch(token_ids, seq_lens, targets)
         self.model.train()
@@ -318,7 +322,8 @@ class Trainer:
         loss_value, bad_losses, grad_norm = torch.cat([loss.detach()[None], stats[:1], stats[1:].sqrt()]).tolist()
         # (the step's one host sync)
         metrics = {"loss": loss_value, "micro_batches": float(num_micro_batches),
-                   "grad_slots_high_water": float(self.arena.high_water_slots), "grad_norm": grad_norm}
+                   "grad_slots_high_water": float(self.arena.high_water_slots), "grad_norm": grad_norm,
+                   "lr": self.optimizer.lr}  # the lr of this step (the schedule's, trainer/lr_schedule.py)
         if bad_losses or not math.isfinite(grad_norm):
             self.optimizer.zero_grad()
             self.bad_steps_in_a_row += 1
