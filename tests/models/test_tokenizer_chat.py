@@ -1,0 +1,137 @@
+"""TokenizerConfig, chat-template rendering, stop ids and turn continuation, on tokenizer
+directories built offline (tests/tokenizer_dirs.py)."""
+import pytest
+
+from models.tokenizer import ByteTokenizer, HFTokenizer, TokenizerConfig, load_tokenizer
+from tests.tokenizer_dirs import (END_OF_TEXT, EOS, IM_END, IM_START, build_bpe_tokenizer,
+                                  build_remote_code_dir)
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_bpe_tokenizer(tmp_path_factory.mktemp("chat") / "tok", generation_eos=[EOS, END_OF_TEXT])
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    return build_bpe_tokenizer(tmp_path_factory.mktemp("plain") / "tok", chat_template=None)
+
+
+def turn(tok: HFTokenizer, role: str, content: str) -> list[int]:
+    """A ChatML message built piece by piece: special tokens restart tokenization, so the ids of
+    the text between them are the plain encodings."""
+    return [IM_START, *tok.encode(f"{role}\n{content}", add_bos=False), IM_END, *tok.encode("\n", add_bos=False)]
+
+
+def test_render_applies_the_chat_template(chat_dir):
+    tok = load_tokenizer(TokenizerConfig(path=str(chat_dir)))
+    assert tok.use_chat_template
+    ids = tok.render([{"role": "user", "content": "get the key"}])
+    opening = [IM_START, *tok.encode("assistant\n", add_bos=False)]
+    assert ids == turn(tok, "user", "get the key") + opening
+    assert tok.tokenizer.decode(ids) == "<|im_start|>user\nget the key<|im_end|>\n<|im_start|>assistant\n"
+    no_opening = tok.render([{"role": "user", "content": "get the key"}], add_generation_prompt=False)
+    assert no_opening == turn(tok, "user", "get the key")
+
+
+def test_system_prompt_is_put_first_once(chat_dir):
+    tok = load_tokenizer(TokenizerConfig(path=str(chat_dir), system_prompt="Be brief!"))
+    ids = tok.render([{"role": "user", "content": "hello world"}])
+    expected = turn(tok, "system", "Be brief!") + turn(tok, "user", "hello world")
+    assert ids == expected + [IM_START, *tok.encode("assistant\n", add_bos=False)]
+    assert tok.tokenizer.decode(ids).startswith("<|im_start|>system\nBe brief!<|im_end|>\n<|im_start|>user\n")
+    own = tok.render([{"role": "system", "content": "Be long."}, {"role": "user", "content": "hello world"}])
+    assert tok.tokenizer.decode(own).count("<|im_start|>system") == 1 and "Be brief!" not in tok.tokenizer.decode(own)
+
+
+def test_stop_token_ids_are_eos_generation_config_and_end_of_turn(chat_dir, plain_dir):
+    tok = load_tokenizer(TokenizerConfig(path=str(chat_dir), stop_strings=["\n\n"]))
+    assert tok.end_of_turn_ids == (IM_END,)
+    assert tok.stop_token_ids == (EOS, END_OF_TEXT, IM_END)  # eos once, though the file names it too
+    assert tok.stop_strings == ("\n\n",)
+    plain = load_tokenizer(str(plain_dir))  # no template, no generation_config.json
+    assert not plain.use_chat_template and plain.end_of_turn_ids == () and plain.stop_token_ids == (EOS,)
+    raw = load_tokenizer(TokenizerConfig(path=str(chat_dir), chat_template=False))
+    assert raw.stop_token_ids == (EOS, END_OF_TEXT)
+
+
+def test_continue_turn_extends_the_conversation_exactly(chat_dir):
+    """prompt + answer + end-of-turn + continue_turn(observation) == the whole conversation rendered."""
+    for system_prompt in (None, "Be brief!"):
+        tok = load_tokenizer(TokenizerConfig(path=str(chat_dir), system_prompt=system_prompt))
+        prompt, answer, obs = "get the key", "seven", "wrong, 42 ✓"
+        ids = tok.render([{"role": "user", "content": prompt}]) + tok.encode(answer, add_bos=False) + [IM_END]
+        ids += tok.continue_turn(obs)
+        whole = tok.render([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
+                            {"role": "user", "content": obs}])
+        assert ids == whole
+
+
+def test_without_a_template_render_is_the_plain_format(chat_dir, plain_dir):
+    for config in (TokenizerConfig(path=str(plain_dir)), TokenizerConfig(path=str(chat_dir), chat_template=False)):
+        tok = load_tokenizer(config)
+        assert not tok.use_chat_template
+        assert tok.render([{"role": "user", "content": "hello world"}]) == tok.encode("hello world")
+        assert tok.continue_turn("the key") == tok.encode("the key", add_bos=False)
+    tok = load_tokenizer(TokenizerConfig(path=str(plain_dir), system_prompt="Be brief! "))
+    assert tok.render([{"role": "user", "content": "hello"}]) == tok.encode("Be brief! hello")
+
+
+def test_chat_template_required_but_missing_raises(plain_dir):
+    with pytest.raises(ValueError, match=r"chat_template=true.*'.*tok'.*has no chat template"):
+        load_tokenizer(TokenizerConfig(path=str(plain_dir), chat_template=True))
+    with pytest.raises(ValueError, match="byte tokenizer has no chat template"):
+        TokenizerConfig(path="byte", chat_template=True)
+
+
+def test_remote_code_needs_the_opt_in(tmp_path):
+    path = build_remote_code_dir(tmp_path / "kimi_like")
+    with pytest.raises(ValueError, match=r"kimi_like.*auto_map.*tokenizer\.trust_remote_code=true"):
+        load_tokenizer(TokenizerConfig(path=str(path)))
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError:  # opted in: the shipped module imports tiktoken, which is absent here
+        with pytest.raises(ImportError, match=r"kimi_like.*needs tiktoken.*hybridrl\[tiktoken\]"):
+            load_tokenizer(TokenizerConfig(path=str(path), trust_remote_code=True))
+
+
+def test_bad_paths_and_values_name_what_was_expected(tmp_path, chat_dir):
+    with pytest.raises(ValueError, match=r"'.*missing' does not exist: expected \"byte\" or an existing local"):
+        TokenizerConfig(path=str(tmp_path / "missing"))
+    (tmp_path / "file.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"file\.json' is not a directory"):
+        TokenizerConfig(path=str(tmp_path / "file.json"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty' holds no tokenizer files: expected one of tokenizer\.json"):
+        TokenizerConfig(path=str(tmp_path / "empty"))
+    bad = [({"chat_template": "yes"}, "chat_template='yes'"), ({"trust_remote_code": "no"}, "trust_remote_code='no'"),
+           ({"stop_strings": "\n"}, "stop_strings='\\\\n'"), ({"stop_strings": [""]}, r"stop_strings=\[''\]"),
+           ({"system_prompt": 3}, "system_prompt=3")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            TokenizerConfig(path=str(chat_dir), **kwargs)
+    tok = load_tokenizer(str(chat_dir))
+    with pytest.raises(ValueError, match="expected a dict with string 'role' and 'content'"):
+        tok.render([{"role": "user"}])
+
+
+def test_hf_encode_decode_round_trip(chat_dir):
+    tok = load_tokenizer(TokenizerConfig(path=str(chat_dir)))
+    text = "get the key value: système ✓ 42 = 6 * 7, unseen words too"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids + [IM_END, EOS]) == text
+    answer = tok.render([{"role": "user", "content": "q"}]) + tok.encode("seven", add_bos=False) + [IM_END]
+    assert tok.decode(answer[len(tok.render([{"role": "user", "content": "q"}])):]) == "seven"
+
+
+def test_byte_tokenizer_has_the_same_methods():
+    tok = load_tokenizer(TokenizerConfig(path="byte", system_prompt="sys: ", stop_strings=["\n"]))
+    assert tok == ByteTokenizer(system_prompt="sys: ", stop_strings=("\n",))
+    assert not tok.use_chat_template and tok.stop_token_ids == (tok.eos_token_id,) and tok.stop_strings == ("\n",)
+    assert tok.render([{"role": "user", "content": "get c"}]) == tok.encode("sys: get c")
+    assert tok.continue_turn("obs") == tok.encode("obs", add_bos=False)
+    assert ByteTokenizer().render([{"role": "user", "content": "é"}]) == ByteTokenizer().encode("é")
