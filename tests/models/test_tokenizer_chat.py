@@ -91,6 +91,11 @@ def test_remote_code_needs_the_opt_in(tmp_path):
     path = build_remote_code_dir(tmp_path / "kimi_like")
     with pytest.raises(ValueError, match=r"kimi_like.*auto_map.*tokenizer\.trust_remote_code=true"):
         load_tokenizer(TokenizerConfig(path=str(path)))
+    unknown = build_bpe_tokenizer(tmp_path / "unknown_class")
+    config_file = unknown / "tokenizer_config.json"
+    config_file.write_text(config_file.read_text().replace('"TokenizersBackend"', '"MadeUpTokenizer"'))
+    with pytest.raises(ValueError, match=r"unknown_class.*'MadeUpTokenizer' is not in transformers.*trust_remote_code=true"):
+        load_tokenizer(str(unknown))
     try:
         import tiktoken  # noqa: F401
     except ImportError:  # opted in: the shipped module imports tiktoken, which is absent here
