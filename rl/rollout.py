@@ -245,7 +245,9 @@ class RolloutDriver:
         self.group_size, self.seed = group_size, seed
         # the config's knobs under the names the iteration code reads; budget_tokens is this rank's share
         self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
-        self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+        # the tokenizer's stop ids (eos, generation_config.json's, the chat template's end of turn) end answers
+        self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                         "stop_token_ids": tuple(tokenizer.stop_token_ids)}
         self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
         self.partial_resume, self.env_timeout_s = config.partial_resume, config.env_timeout_s
         self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
@@ -340,7 +342,7 @@ class RolloutDriver:
                 raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
             reward = self._reward(raw_reward)
             last = bool(done) or len(traj.answers) + 1 >= env.max_turns
-            obs = [] if last else self._tokenizer_call(self.tokenizer.encode, observation, add_bos=False)
+            obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation)
         except Dropped as fault:
             self._drop([traj], fault, stats)
             return False
@@ -412,7 +414,7 @@ class RolloutDriver:
             try:  # the group's prompt: a fault here drops the whole group
                 env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
                 text = self._env_call("reset", env.reset, mix_seed(self.seed, group))
-                prompt = self._tokenizer_call(self.tokenizer.encode, text)
+                prompt = self._tokenizer_call(self.tokenizer.render, [{"role": "user", "content": text}])
             except Dropped as fault:
                 self._drop(trajs, fault, stats)
                 continue
