@@ -59,6 +59,10 @@ class AlgoConfig:
     group_size: int = 8
     """Samples per prompt (GRPO group), generated with parallel sampling."""
     loss: LossConfig = field(default_factory=LossConfig)
+    ppo_epochs: int = 1
+    """Passes over each rollout batch per update (rl/update.py `policy_update`); 1 = one pass."""
+    mini_batches: int = 1
+    """Mini-batches (of whole sequences, one optimizer step each) per pass; > 1 needs one data-parallel rank."""
 
     def __post_init__(self) -> None:
         from trainer.losses import lookup
@@ -66,6 +70,9 @@ class AlgoConfig:
         lookup("advantage", self.advantage)
         if self.group_size < 2:
             raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (group advantages need peers)")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"algo.ppo_epochs={self.ppo_epochs}, algo.mini_batches={self.mini_batches}, "
+                             f"expected both >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

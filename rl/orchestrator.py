@@ -222,6 +222,10 @@ class LoopParts:
     """rollout.max_staleness: KV older than this many versions is not kept across iterations."""
     run_config: dict = field(default_factory=dict)
     """The run's resolved config (JSON-able), stored in each checkpoint for the resume's drift check."""
+    ppo_epochs: int = 1
+    """algo.ppo_epochs: passes over each iteration's batch."""
+    mini_batches: int = 1
+    """algo.mini_batches: optimizer steps per pass (mini-batches of whole sequences)."""
 
     @property
     def device(self) -> torch.device:
@@ -359,7 +363,8 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
            if p.ref_model is not None and batch.num_sequences else None)
     with p.tracker.train_progress(total_steps=1) as bar:
         metrics = policy_update(p.trainer, batch, p.loss, p.micro_batch_tokens, ref,
-                                global_counts=(num_tokens, num_seqs))
+                                global_counts=(num_tokens, num_seqs), ppo_epochs=p.ppo_epochs,
+                                mini_batches=p.mini_batches)
         bar.advance(metrics["loss"])
     return metrics
 
