@@ -16,6 +16,8 @@ disk that lies about fsync, a file clobbered later).
 
 `checkpoint.every`: iteration N is saved when N % every == 0 and after the run's last iteration;
 `save_iteration` returns None (writing nothing) otherwise.
+`checkpoint.export_every`: rank 0 also exports a published iteration N with N % export_every == 0
+for serving (rl/export: bf16, to run_dir/export/iter_N, replacing an export of an abandoned timeline).
 
 Resume (`find_resumable`): `latest`'s target is checked against its manifest (every file present,
 of its size and digest); a checkpoint that fails is skipped with one line naming it, the file and
@@ -45,6 +47,7 @@ import torch
 
 from memory.durable import digest_algo, file_digest, fsync_dir, fsync_file, fsync_tree, write_durable
 from rl.config import CheckpointConfig
+from rl.export import export_checkpoint
 from rl.ranks import Ranks
 from rl.rollout import RolloutDriver
 from trainer.step import Trainer
@@ -125,6 +128,9 @@ def save_iteration(p: CheckpointParts, iteration: int, config: CheckpointConfig 
         if fault is not None:  # tests: a crash with `latest` moved, the old checkpoints not yet retired
             fault(iteration, "checkpoint_published")
         _retire(p.checkpoint_dir, iteration, config)
+        if config.export_every is not None and iteration % config.export_every == 0:
+            # after publishing: a failed export leaves the checkpoint resumable (the other ranks wait here)
+            export_checkpoint(final_dir, p.checkpoint_dir.parent / "export" / final_dir.name, overwrite=True)
     ranks.barrier()  # published before any rank goes on
     return final_dir
 

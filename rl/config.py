@@ -112,6 +112,9 @@ class CheckpointConfig:
     does not verify (a power loss while it was written)."""
     keep_every: int | None = None
     """Also keep every checkpoint whose iteration is a multiple of this (never deleted); null = none."""
+    export_every: int | None = None
+    """Also export every checkpoint whose iteration is a multiple of this for serving, bf16, to
+    run_dir/export/iter_N (rl/export; never deleted); null = none."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -120,6 +123,8 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last={self.keep_last}, expected >= 1")
         if self.keep_every is not None and self.keep_every < 1:
             raise ValueError(f"checkpoint.keep_every={self.keep_every}, expected >= 1 or null")
+        if self.export_every is not None and self.export_every < 1:
+            raise ValueError(f"checkpoint.export_every={self.export_every}, expected >= 1 or null")
 
 
 @dataclass(frozen=True, kw_only=True)
