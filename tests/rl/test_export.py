@@ -77,7 +77,9 @@ def test_bf16_export_is_our_weights_rounded_and_close_in_logits(run_dir, tmp_pat
     source, exported = tensors(run_dir / "checkpoints" / "iter_000000"), tensors(tmp_path / "bf16")
     assert sorted(source) == sorted(exported)
     kept = [name for name in source if name.endswith(KEEP_FP32_ON_DISK)]
-    assert len(kept) == 2 * 6 + 2 * 7  # A_log, dt_bias of 6 KDA layers; gate weight and bias of 7 MoE layers
+    config = load_checkpoint(run_dir / "checkpoints" / "iter_000000").config
+    # A_log and dt_bias of each KDA layer, the router's weight and correction bias of each MoE layer
+    assert len(kept) == 2 * len(config.kda_layers) + 2 * config.mlp_layer_types.count("moe")
     for name, tensor in source.items():
         assert torch.equal(exported[name], tensor.to(torch.float32 if name in kept else torch.bfloat16)), name
     fp32 = load_checkpoint(run_dir / "checkpoints" / "iter_000000")
@@ -205,3 +207,8 @@ def test_models_transformers_would_compute_differently_are_refused(run_dir, tmp_
         with pytest.raises(ExportError, match=message):
             export_checkpoint(checkpoint, tmp_path / "out")
         assert not (tmp_path / "out").exists()
+
+
+def test_export_every_must_be_positive():
+    with pytest.raises(ValueError, match=r"checkpoint\.export_every=0, expected >= 1 or null"):
+        composed("checkpoint.export_every=0")
