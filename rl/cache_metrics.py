@@ -11,6 +11,7 @@ def cache_metrics(before: dict[str, float], after: dict[str, float], computed: i
         if key in after:
             out[key] = float(after[key] - before.get(key, 0))
     if "prefix_hit_tokens" in out:
+        out["kv_computed_tokens"] = float(computed)
         out["prefix_hit_frac"] = out["prefix_hit_tokens"] / max(1.0, out["prefix_hit_tokens"] + computed)
     if "host_pool_bytes" in after:
         out["host_pool_bytes"] = float(after["host_pool_bytes"])

@@ -153,12 +153,15 @@ def weights_checksum(state: dict[str, torch.Tensor], slice_numel: int = 1 << 24)
 SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_carried", "env_errors", "loss",
                     "rollout_dropped_too_long", "trajectories_dropped", "dropped/too_long", "dropped/env_error",
                     "dropped/timeout", "dropped/tokenizer", "dropped/bad_reward",
-                    "train_tokens", "train_sequences", "loss/num_tokens"})
+                    "train_tokens", "train_sequences", "loss/num_tokens",
+                    "prefix_hit_tokens", "prefix_stale_hit_tokens", "kv_computed_tokens", "host_pages_written_back",
+                    "host_pages_prefetched", "host_pool_bytes", "ref_stream_bytes"})
 """Counts, and the trainer's loss (each rank's share of the globally normalised loss)."""
 MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped",
-                   "grad_norm", "grad_clip_coef", "nonfinite_grad"})
+                   "grad_norm", "grad_clip_coef", "nonfinite_grad", "ref_stream_s", "ref_stream_wait_s",
+                   "lr", "optimizer_steps"})
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
-TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac")
+TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""
 
 
@@ -174,6 +177,9 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         if key == "rollout_tok_s":
             seconds = max(m["rollout_seconds"] for m in per_rank)
             out[key] = sum(m["rollout_tokens"] for m in per_rank) / max(seconds, 1e-9)
+        elif key == "prefix_hit_frac":  # hit / (hit + computed) tokens of KV, over every rank's engine
+            hits = sum(m["prefix_hit_tokens"] for m in have)
+            out[key] = hits / max(1.0, hits + sum(m["kv_computed_tokens"] for m in have))
         elif key in SUMMED:
             out[key] = sum(values)
         elif key in MAXED or key.startswith("seconds/") or key.endswith("_max"):

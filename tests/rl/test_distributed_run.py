@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # direction set by fp32 summation-order noise (1 vs 2 ranks: 1.2e-4 apart after two steps, seen);
 # with 1e-4 the noise stays below eps and the runs agree to ~2e-7 (tests/trainer/test_step.py's OPT
 # has the same note).
-RUN = ["experiment.iterations=2", "tracking.wandb_mode=disabled", "tracking.progress=false", "tracking.plots=false",
+RUN = ["experiment=single_turn", "experiment.iterations=2", "tracking.wandb_mode=disabled", "tracking.progress=false", "tracking.plots=false",
        "rollout.groups_per_iteration=4", "algo.group_size=8", "rollout.max_new_tokens=2", "seed=1",
        "trainer.optimizer.eps=1e-4"]
 # One group per iteration: iteration 0's group 0 is rank 0's, iteration 1's group 1 is rank 1's, so

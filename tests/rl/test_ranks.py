@@ -13,7 +13,9 @@ from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
 from rl.ranks import Ranks, merge_metrics, require_same, weights_checksum
 from rl.rollout import DriverConfig, RolloutDriver
+from rl.train import run
 from rollout.engine import Engine, EngineConfig
+from tests.rl.test_config import composed
 
 
 def test_one_process_ranks_are_plain_calls():
@@ -63,6 +65,28 @@ def test_merge_metrics_rules():
     assert math.isnan(merge_metrics([empty | {"stale_token_frac": 0.0}])["stale_token_frac"])
     with pytest.raises(KeyError, match="no rule merges metric 'mystery'"):
         merge_metrics([{"mystery": 1.0}])
+
+
+def test_the_kv_cache_metrics_merge_over_ranks():
+    a = {"prefix_hit_tokens": 30.0, "kv_computed_tokens": 70.0, "prefix_hit_frac": 0.3, "host_pool_bytes": 4.0,
+         "ref_stream_s": 1.0}
+    b = {"prefix_hit_tokens": 10.0, "kv_computed_tokens": 90.0, "prefix_hit_frac": 0.1, "host_pool_bytes": 4.0,
+         "ref_stream_s": 2.0}
+    out = merge_metrics([a, b])
+    assert out["prefix_hit_frac"] == 40.0 / 200.0 and out["host_pool_bytes"] == 8.0 and out["ref_stream_s"] == 2.0
+
+
+def test_every_metric_a_run_with_every_mechanism_logs_has_a_merge_rule(tmp_path):
+    """The default experiment's mechanisms (prefix cache, host pool, spill, streamed reference,
+    partial rollouts): a metric without a rule would stop every multi-rank run at its first merge."""
+    history = run(composed(f"run_dir={tmp_path}", "experiment=cpu_demo", "experiment.iterations=3",
+                           "warmup.steps=0", "tracking.wandb_mode=disabled",
+                           "tracking.progress=false", "tracking.plots=false"))
+    after_merge = {"groups_trained", "reward_mean", "reward_correct_frac", "engine_checksum"}  # global already
+    for metrics in history:
+        merged = {k: v for k, v in metrics.items() if k not in after_merge}
+        assert merge_metrics([merged, merged]).keys() == merged.keys()
+    assert any("prefix_hit_tokens" in m and "loss" in m for m in history)
 
 
 def _driver(rank: int, world: int) -> RolloutDriver:
