@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rl.cache_metrics import cache_metrics
+from rl.driver_config import DriverConfig
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import ContextTooLong, Engine
@@ -147,94 +148,23 @@ def _continued(sub: Submission) -> list[Trajectory]:
     return sub.follow_up.trajs
 
 
-@dataclass(frozen=True, kw_only=True)
-class DriverConfig:
-    """The rollout driver's settings: the RL run's `rollout` config group (the engine's own are the
-    `engine` group, rollout/engine_config.py)."""
-    groups_per_iteration: int = 16
-    """New prompt groups started each iteration (each of algo.group_size trajectories), over all ranks
-    together: rank r generates the groups g with g % world == r."""
-    max_new_tokens: int = 4
-    """Tokens per policy turn at most (each turn of a multi-turn episode gets this many)."""
-    temperature: float = 1.0
-    """Sampling temperature; only 1.0 trains for now (the trainer scores at T = 1)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass, in (0, 1]."""
-    top_k: int = 0
-    """Sample among the k most likely tokens; 0 = all."""
-    max_concurrency: int | None = None
-    """Requests in flight per rank (each rank's engine): None = the dispatcher's auto-throttle, or a
-    positive integer that pins the limit."""
-    budget_tokens: int | None = None
-    """Partial rollouts: generated tokens per iteration, over all ranks (each rank stops at its share,
-    ceil(budget_tokens / world)), after which unfinished trajectories are paused and carried over;
-    None = no token budget."""
-    budget_seconds: float | None = None
-    """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
-    time budget."""
-    env_timeout_s: float | None = 60.0
-    """Seconds each environment call (factory, reset, step, reward) may take before its trajectory
-    is dropped (reason "timeout"); None = no limit (plain calls)."""
-    max_drop_fraction: float = 0.5
-    """Circuit breaker (rl/orchestrator.py): the run stops with an error when more than this share of
-    an iteration's trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
-    partial_resume: str = "recompute"
-    """How a carried-over trajectory continues: "recompute" (its prefix is recomputed under the new
-    weights) or "kv" (the kept, stale KV; parked in the host KV pool over the train phase, so an RL
-    run needs engine.host_pool_mb > 0 or memory.release_pool_in_train=false)."""
-
-    reuse_stale_prefix: bool = False
-    """KV across iterations: prefixes the prefix cache computed under earlier policy versions may hit
-    in later iterations (engine.prefix_cache.reuse_stale); the tokens sampled on them are tagged with
-    the oldest version whose KV they read, so the trainer's truncated importance weights see them, and
-    `prefix_stale_hit_tokens` counts them. Off: a new version empties the cache."""
-    max_staleness: int | None = None
-    """KV older than this many policy versions at the next rollout is not kept across iterations:
-    prefix entries are dropped and parked partial rollouts recomputed (rollout/host_spill.py, when
-    the host pool goes to NVMe between rollouts); None = no limit."""
-
-    def __post_init__(self) -> None:
-        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
-            raise ValueError(f"max_staleness={self.max_staleness!r}, expected an integer >= 1 (KV reused in the next "
-                             f"iteration is one version old) or null (no limit)")
-        if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"groups_per_iteration={self.groups_per_iteration} and max_new_tokens="
-                             f"{self.max_new_tokens} must be >= 1")
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"env_timeout_s={self.env_timeout_s}, expected > 0 or null (no limit)")
-        if not 0 <= self.max_drop_fraction <= 1:
-            raise ValueError(f"max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
-        if self.max_concurrency is not None and (isinstance(self.max_concurrency, bool) or self.max_concurrency < 1):
-            raise ValueError(f"max_concurrency={self.max_concurrency!r}, expected an integer >= 1 or null "
-                             f"(the dispatcher's auto-throttle)")
-        if self.budget_tokens is not None and self.budget_tokens < 1:
-            raise ValueError(f"budget_tokens={self.budget_tokens}, expected >= 1 or null (no budget)")
-        if self.budget_seconds is not None and not self.budget_seconds > 0:
-            raise ValueError(f"budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
-        # the sampler's own checks, at construction rather than at the first request
-        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k)
-        if self.temperature != 1.0:
-            # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.
-            raise ValueError(f"temperature={self.temperature}: only 1.0 is supported for training for now "
-                             f"(the trainer's logprobs are not temperature-scaled yet)")
-        if self.partial_resume not in ("recompute", "kv"):
-            raise ValueError(f"partial_resume={self.partial_resume!r}, expected 'recompute' or 'kv'")
-
-
 class RolloutDriver:
     """Runs iterations of trajectory generation against one engine; its state (carried-over and
     finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
 
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
-                 group_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
+                 group_size: int, seed: int, rank: int = 0, world: int = 1,
+                 sum_over_ranks: Callable[[int], int] | None = None) -> None:
         """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
         generates only the groups g with g % world == rank (every seed derives from the run `seed`
         and the global g, so the episodes and sampled tokens do not depend on the number of ranks),
         and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
-        self.config = config
+        if world > 1 and config.max_groups_in_flight is not None and sum_over_ranks is None:
+            raise ValueError("max_groups_in_flight on several ranks needs sum_over_ranks (the global count)")
+        self.config, self.sum_over_ranks = config, sum_over_ranks
+        """sum_over_ranks(n): n summed over the ranks, a collective every rank calls (max_groups_in_flight)."""
         self.engine, self.tokenizer = engine, tokenizer
         self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
@@ -405,7 +335,7 @@ class RolloutDriver:
         for request_id, trajs in paused.items():
             self.engine.resume(request_id)
             dispatcher.adopt(request_id, self._request(trajs, stats))
-        for _ in range(self.groups_per_iteration):
+        for _ in range(self._new_groups()):
             group, self.next_group = self.next_group, self.next_group + 1
             if group % self.world != self.rank:
                 continue  # another rank's share
@@ -448,6 +378,17 @@ class RolloutDriver:
                 **dropped, "trajectories_dropped": sum(dropped.values()),
                 # the names before the drops had reasons, kept for older readers
                 "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
+
+    def _new_groups(self) -> int:
+        """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
+        less the unfinished ones (over all ranks: the same number on every rank)."""
+        cap = self.config.max_groups_in_flight
+        if cap is None:
+            return self.groups_per_iteration
+        unfinished = len(self.group_sizes)
+        if self.world > 1:
+            unfinished = self.sum_over_ranks(unfinished)
+        return max(0, min(self.groups_per_iteration, cap - unfinished))
 
     def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
         """Budget reached: everything not finished becomes carry-over (paused with its KV, or with

@@ -179,7 +179,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     t = cfg.trainer
     trainer = Trainer(policy, t, group=ranks.group, ledger=ledger)
     driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params, cfg.rollout,
-                           group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world)
+                           group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
+                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]))
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its

@@ -110,7 +110,8 @@ DEFAULT_RUN = {
     "rollout": {"groups_per_iteration": 8, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                 "max_concurrency": None, "budget_tokens": None, "budget_seconds": None, "env_timeout_s": 60.0,
                 "max_drop_fraction": 0.5, "partial_resume": "recompute",
-                "reuse_stale_prefix": False, "max_staleness": None},  # KV across iterations: off
+                "reuse_stale_prefix": False, "max_staleness": None,  # KV across iterations: off
+                "max_groups_in_flight": None},
     "engine": {"max_model_len": 256, "num_pages": None, "pool_mb": 16, "group_layers": None, "block_tokens": None,
                "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None, "seed": 0,
                "check_every_step": False, "show_progress": True, "prefix_cache": None, "host_pool_mb": 0,

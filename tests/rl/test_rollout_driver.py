@@ -172,3 +172,24 @@ def test_state_round_trips_through_a_checkpoint():
     e = driver()
     e.load_state_dict(state)
     assert e.state_dict() == state and len(e.carry) == len(d.carry)
+
+
+def test_max_groups_in_flight_bounds_the_carry_over():
+    """A budget far below what an iteration samples: without the cap the unfinished groups pile up
+    iteration after iteration; with it, new groups start only as old ones finish."""
+    def unfinished_after(cap, iterations=6):
+        d = driver(budget_tokens=6, partial_resume="recompute", max_new_tokens=6, temperature=1.0, top_k=0,
+                   max_groups_in_flight=cap)
+        counts = []
+        for it in range(iterations):
+            d.engine.load_weights(d.engine.model.state_dict(), version=it + 1)
+            d.run_iteration()
+            d.take_finished_groups()
+            counts.append(len(d.group_sizes))
+        return counts
+
+    uncapped, capped = unfinished_after(None), unfinished_after(2)
+    assert uncapped[-1] > uncapped[0] and uncapped[-1] > 2, uncapped
+    assert max(capped) <= 2, capped
+    with pytest.raises(ValueError, match="max_groups_in_flight=0"):
+        DriverConfig(max_groups_in_flight=0)
