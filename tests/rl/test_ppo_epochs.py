@@ -1,7 +1,12 @@
 """policy_update with ppo_epochs x mini_batches: the defaults are the one-step update bit for bit;
-more steps clip against the policy at the start of the update and lower its surrogate loss."""
+more steps clip against the policy at the start of the update and lower its surrogate loss; epochs
+under data parallelism equal one rank, mini-batches there are refused."""
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from models.config import load_model_config
 from models.model import HybridLM
@@ -20,8 +25,8 @@ def make_model() -> HybridLM:
     return HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=3, std=0.1)
 
 
-def make_trainer(lr: float = 1e-3) -> Trainer:
-    return Trainer(make_model(), TrainerConfig(num_chunks=2, optimizer=OptimizerConfig(lr=lr, backend="torch")))
+def make_trainer(lr: float = 1e-3, eps: float = 1e-8) -> Trainer:
+    return Trainer(make_model(), TrainerConfig(num_chunks=2, optimizer=OptimizerConfig(lr=lr, eps=eps, backend="torch")))
 
 
 def make_batch() -> PackedBatch:
@@ -130,3 +135,39 @@ def test_bad_counts_are_refused_naming_them(kwargs, message):
         policy_update(make_trainer(), make_batch(), LossConfig(), None, **kwargs)
     with pytest.raises(ValueError, match="algo." + message.replace(", mini_batches", ", algo.mini_batches")):
         AlgoConfig(**kwargs)
+
+
+def dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Rank r trains on group r of the batch, normalised by the global counts (as the orchestrator)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        batch = make_batch()
+        trajs = batch.trajectories
+        mine = PackedBatch([trajs[4 * rank:4 * rank + 4]], "grpo")
+        counts = (sum(sum(t.policy[1:]) for t in trajs), len(trajs))
+        trainer = make_trainer(eps=1e-4)
+        try:
+            policy_update(trainer, mine, LossConfig(), 60, global_counts=counts, mini_batches=2)
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        metrics = policy_update(trainer, mine, LossConfig(), 60, global_counts=counts, ppo_epochs=2)
+        torch.save({"state": trainer.model.state_dict(), "metrics": metrics, "refused": refused},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_epochs_under_two_ranks_equal_one_rank_and_mini_batches_there_are_refused(tmp_path):
+    mp.spawn(dp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    one = make_trainer(eps=1e-4)
+    expected = policy_update(one, make_batch(), LossConfig(), 60, ppo_epochs=2)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert "mini_batches=2 with 2 data-parallel ranks" in out["refused"]
+        assert out["metrics"]["optimizer_steps"] == expected["optimizer_steps"] == 2
+        for name, q in one.model.state_dict().items():
+            p = out["state"][name]
+            assert (p - q).norm() <= 1e-6 * max(q.norm(), 1e-12), name
