@@ -235,9 +235,6 @@ class RunConfig:
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
                              "memory.release_pool_in_train=true frees the device pool for training and there is no "
                              "host KV pool to park it in; set engine.host_pool_mb > 0 or release_pool_in_train=false")
-        layers, t = self.model.num_hidden_layers, self.trainer
-        most = layers + 2 if t.chunk_split == "params" else layers
-        if t.num_chunks > most:
         if e.host_pool_mb == "auto" and e.host_num_pages is None and self.memory.spill_dir is None:
             raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
                              "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
@@ -245,6 +242,9 @@ class RunConfig:
         if r.reuse_stale_prefix and e.prefix_cache is None:
             raise ValueError("rollout.reuse_stale_prefix=true reuses the prefix cache's entries across iterations, but "
                              "the prefix cache is off; add prefix_cache=on")
+        layers, t = self.model.num_hidden_layers, self.trainer
+        most = layers + 2 if t.chunk_split == "params" else layers
+        if t.num_chunks > most:
             raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
