@@ -112,9 +112,10 @@ class Phases:
         step counters), host_grads (train phase: the FP32 gradient shards right before the
         optimizer step, their peak; 0 elsewhere), host_pool (the host KV pool), host_parked (the
         part of host_pool holding paused rollouts' KV over a sleep: inside host_pool, not added to
-        host_total), host_reference (a streamed reference's host vectors); disk_spilled (spill files
-        of the optimizer states), disk_kv_pool (the host KV pool's kept contents on NVMe between rollouts,
-payload bytes). device_total, host_total and disk_total sum each tier. Kept for
+        host_total; 0 while the pool's contents are on NVMe), host_reference (a streamed reference's
+        host vectors); disk_spilled (spill files of the optimizer states), disk_kv_pool (the host KV
+        pool's kept contents on NVMe between rollouts, payload bytes). device_total, host_total and
+        disk_total sum each tier. Kept for
         older readers: train_device (= device_weights), train_host (the optimizer's host bytes at
         the end of the phase), train_disk (= disk_spilled)."""
         engine, optimizer, ref = self.engine, self.trainer.optimizer, self.ref_model
@@ -133,7 +134,7 @@ payload bytes). device_total, host_total and disk_total sum each tier. Kept for
             "host_masters": kinds["masters"], "host_moments": kinds["moments"],
             "host_grads": max(kinds["grads"], self._peaks.get("host_grads", 0)),
             "host_pool": host.pool_bytes if host is not None else 0,
-            "host_parked": parked * host.page_bytes if host is not None else 0,
+            "host_parked": parked * host.page_bytes if host is not None and not host.is_suspended else 0,
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
             "disk_spilled": optimizer.disk_bytes, "disk_kv_pool": engine.cache.spilled_host_bytes})
         out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)

@@ -241,7 +241,8 @@ def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
     out = []
     for iteration in (0, 1):
         release = cfg.memory.release_pool_in_train
-        pool_live, parked, spilled = not (release and iteration > 0), False, spill and iteration > 0
+        asleep = release and iteration > 0  # since the previous iteration's sleep, until wake
+        pool_live, parked, spilled = not asleep, asleep, spill and iteration > 0
         host_live, kv_on_disk = not mux, mux and iteration > 0  # the host pool leased; its contents on NVMe
         moments = iteration > 0  # AdamW creates its moments at the first step
         for phase in phase_names(cfg, world, iteration):

@@ -53,7 +53,8 @@ def test_states_and_host_pool_take_turns_in_a_budget_that_cannot_hold_both(tmp_p
         want, got = p.memory, r["memory"]
         for k in ("host_pool", "host_masters", "disk_spilled", "device_pool", "device_weights"):
             assert want[k] == got[k], (r["iteration"], r["phase"], k, want[k], got[k])
-        assert got["disk_kv_pool"] <= want["disk_kv_pool"] or r["phase"] == "host_out", (r["phase"], got, want)
+        for k in ("host_parked", "disk_kv_pool"):  # the planner's figures are upper bounds of these
+            assert got[k] <= want[k], (r["iteration"], r["phase"], k, got[k], want[k])
     steady = [r["memory"] for r in records if r["phase"] == "train"]
     assert max(states(m) for m in steady) > (BUDGET_MB - POOL_MB) * MiB, "the states alone must not fit beside the pool"
     for r in records:
