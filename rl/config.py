@@ -21,9 +21,10 @@ import copy
 import json
 import re
 import warnings
+from dataclasses import MISSING as FIELD_MISSING
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -382,6 +383,33 @@ def upgrade_stored_config(tree: dict) -> dict:
     if rollout.get("max_concurrency") == "auto":
         rollout["max_concurrency"] = None
     return tree
+
+
+NO_DEFAULT = object()
+"""`schema_default` of a path that is no field with a default."""
+
+
+def schema_default(path: str) -> Any:
+    """The schema's default of a leaf key path ("rollout.max_staleness", "engine.prefix_cache.hash_block")
+    as `resolved_config` writes values (JSON), walking RunConfig's dataclass fields (an optional node:
+    its dataclass's defaults); NO_DEFAULT when the path names no field with a default."""
+    cls: Any = RunConfig
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        field_ = {f.name: f for f in fields(cls)}.get(name) if is_dataclass(cls) else None
+        if field_ is None:
+            return NO_DEFAULT
+        if i == len(parts) - 1:
+            if field_.default is not FIELD_MISSING:
+                value = field_.default
+            elif field_.default_factory is not FIELD_MISSING:
+                value = field_.default_factory()
+            else:
+                return NO_DEFAULT
+            return json.loads(json.dumps(asdict(value) if is_dataclass(value) else value, default=str))
+        hint = get_type_hints(cls)[name]
+        cls = next((a for a in (get_args(hint) or (hint,)) if is_dataclass(a)), None)
+    return NO_DEFAULT
 
 
 # ---- composition --------------------------------------------------------------------------------------

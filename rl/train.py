@@ -37,7 +37,8 @@ from models.config import ModelConfig
 from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
-from rl.config import RunConfig, register_configs, to_run_config, upgrade_overrides, upgrade_stored_config
+from rl.config import (NO_DEFAULT, RunConfig, register_configs, schema_default, to_run_config, upgrade_overrides,
+                       upgrade_stored_config)
 from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
@@ -110,13 +111,18 @@ def check_config_drift(cfg: RunConfig, resume_path: Path) -> None:
     """Refuse a resume whose config differs from the one the checkpoint was written with, outside
     RESUME_MAY_CHANGE, naming every differing key with both values. A checkpoint from before configs
     were stored is resumed with a warning. A config stored under the old key names (rl/config.py
-    RENAMED_KEYS) is compared in today's names (`upgrade_stored_config`)."""
+    RENAMED_KEYS) is compared in today's names (`upgrade_stored_config`); a key it lacks (a knob added
+    since) is compared at the schema's default, the behaviour the checkpoint ran with."""
     stored = resume_path / RUN_CONFIG
     if not stored.exists():
         print(f"WARNING: {resume_path} stores no run config (written before {RUN_CONFIG}); the resume cannot "
               f"check that the config is unchanged", file=sys.stderr)
         return
     before, now = _flatten(upgrade_stored_config(json.loads(stored.read_text()))), _flatten(resolved_config(cfg))
+    for key in now.keys() - before.keys():  # a knob added since: the checkpoint ran with its default
+        default = schema_default(key)
+        if default is not NO_DEFAULT:
+            before[key] = default
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k, "<absent>") != now.get(k, "<absent>")
                      and not any(k == w or (w.endswith(".") and k.startswith(w)) for w in RESUME_MAY_CHANGE))
     if changed:

@@ -105,3 +105,21 @@ def test_a_checkpoint_stored_under_the_old_key_names_resumes_in_the_new_ones(tmp
     check_config_drift(cfg, _old_checkpoint(tmp_path, cfg, prefix_hash_block=16))
     with pytest.raises(ValueError, match="engine.prefix_cache.hash_block: 16 in the checkpoint, 32 now"):
         check_config_drift(composed(*SMALL, "prefix_cache=on", "engine.prefix_cache.hash_block=32"), tmp_path)
+
+
+def test_a_checkpoint_from_before_a_knob_existed_resumes_at_its_default(tmp_path):
+    """Keys a stored config lacks (knobs added since) count at the schema's default, the behaviour
+    the checkpoint ran with: the same run resumes; setting such a knob otherwise is a change."""
+    cfg = composed(*SMALL)
+    tree = resolved_config(cfg)
+    for key in ("max_groups_in_flight", "reuse_stale_prefix", "max_staleness"):
+        del tree["rollout"][key]
+    for key in ("lr_schedule", "warmup_steps", "min_lr_ratio", "total_steps"):
+        del tree["trainer"]["optimizer"][key]
+    del tree["algo"]["ppo_epochs"], tree["algo"]["mini_batches"]
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(tree))
+    check_config_drift(cfg, tmp_path)
+    with pytest.raises(ValueError, match="rollout.max_groups_in_flight: None in the checkpoint, 8 now"):
+        check_config_drift(composed(*SMALL, "rollout.max_groups_in_flight=8"), tmp_path)
+    with pytest.raises(ValueError, match="algo.ppo_epochs: 1 in the checkpoint, 2 now"):
+        check_config_drift(composed(*SMALL, "algo.ppo_epochs=2"), tmp_path)
