@@ -1,0 +1,116 @@
+"""Data rows from files (rl/data.py): formats, load errors, the sampler's order and resume position."""
+import json
+import pytest
+
+from rl.data import DataConfig, DataExhausted, RowSampler, load_rows
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+RECORDS = [{"question": f"q{i}?", "answer": str(i), "source": "s"} for i in range(5)]
+
+
+def test_jsonl_rows_take_the_configured_columns(tmp_path):
+    config = DataConfig(train_files=[write_jsonl(tmp_path / "a.jsonl", RECORDS)], prompt_key="question",
+                        label_key="answer", extra_keys=["source"])
+    rows = load_rows(config.train_files, config).rows
+    assert rows == [{"prompt": f"q{i}?", "label": str(i), "source": "s"} for i in range(5)]
+
+
+def test_chat_prompts_and_no_label(tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": messages}])
+    rows = load_rows([path], DataConfig(train_files=[path], label_key=None)).rows
+    assert rows == [{"prompt": messages, "label": None}]
+
+
+def test_parquet_and_dataset_directories_need_their_library(tmp_path):
+    for name, library in (("a.parquet", "pyarrow"), ("saved", "datasets")):
+        try:
+            __import__(library)
+            continue  # installed: the format is read (no test data writer here without it)
+        except ImportError:
+            pass
+        path = tmp_path / name
+        path.mkdir() if name == "saved" else path.write_bytes(b"PAR1")
+        with pytest.raises(ValueError, match=library):
+            load_rows([str(path)], DataConfig(train_files=[str(path)]))
+
+
+def test_parquet_round_trip_when_pyarrow_is_installed(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = str(tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "label": "1"}]), path)
+    assert load_rows([path], DataConfig(train_files=[path])).rows == [{"prompt": "p", "label": "1"}]
+
+
+def test_load_errors_name_the_file_row_and_key(tmp_path):
+    good = write_jsonl(tmp_path / "g.jsonl", [{"prompt": "p", "label": 1}])
+    config = DataConfig(train_files=[good])
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_rows([str(tmp_path / "nope.jsonl")], config)
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"x\.csv.*unknown extension"):
+        load_rows([str(tmp_path / "x.csv")], config)
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "label": 1}, {"prompt": "p"}])
+    with pytest.raises(ValueError, match=r"b\.jsonl, line 2: no key 'label'"):
+        load_rows([bad], config)
+    extra = DataConfig(train_files=[good], extra_keys=["source"])
+    with pytest.raises(ValueError, match=r"g\.jsonl, line 1: no key 'source'"):
+        load_rows([good], extra)
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no rows"):
+        load_rows([str(tmp_path / "e.jsonl")], config)
+    wrong = write_jsonl(tmp_path / "w.jsonl", [{"prompt": 3, "label": 1}])
+    with pytest.raises(ValueError, match=r"w\.jsonl, line 1: prompt=3, expected a string"):
+        load_rows([wrong], config)
+
+
+@pytest.mark.parametrize("bad, match", [({"epochs": 0}, "epochs=0"), ({"max_prompt_tokens": -1}, "max_prompt_tokens=-1"),
+                                        ({"train_files": "a.jsonl"}, "train_files='a.jsonl'"),
+                                        ({"extra_keys": ["label"]}, "extra_keys"), ({"prompt_key": ""}, "prompt_key")])
+def test_config_rejects_bad_values_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DataConfig(**bad)
+
+
+def test_max_prompt_tokens_drops_and_counts(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x" * n, "label": n} for n in (1, 5, 2, 9)])
+    config = DataConfig(train_files=[path], max_prompt_tokens=3)
+    with pytest.raises(ValueError, match="encode"):
+        load_rows([path], config)
+    loaded = load_rows([path], config, encode=lambda p: list(p.encode()))
+    assert [r["label"] for r in loaded.rows] == [1, 2] and loaded.num_dropped_too_long == 2
+
+
+def test_sampler_order_is_deterministic_and_each_epoch_a_permutation():
+    rows = [{"prompt": str(i), "label": i} for i in range(7)]
+    a, b = RowSampler(rows, seed=3), RowSampler(rows, seed=3)
+    first = [a[i]["label"] for i in range(21)]
+    assert first == [b.take()["label"] for _ in range(21)]
+    for epoch in range(3):
+        assert sorted(first[7 * epoch:7 * epoch + 7]) == list(range(7))
+    assert first[:7] != first[7:14]  # reshuffled per epoch
+    assert first[:7] != [RowSampler(rows, seed=4)[i]["label"] for i in range(7)]
+    assert [RowSampler(rows, shuffle=False)[i]["label"] for i in range(9)] == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+
+
+def test_sampler_resume_continues_the_epoch_and_stops_after_the_last():
+    rows = [{"prompt": str(i), "label": i} for i in range(5)]
+    a = RowSampler(rows, seed=1, epochs=2)
+    head = [a.take()["label"] for _ in range(7)]
+    state = a.state_dict()
+    assert state == {"epoch": 1, "index": 2}
+    b = RowSampler(rows, seed=1, epochs=2)
+    b.load_state_dict(state)
+    tail = [b.take()["label"] for _ in range(3)]
+    assert head + tail == [RowSampler(rows, seed=1)[i]["label"] for i in range(10)]
+    with pytest.raises(DataExhausted, match="2 epoch"):
+        b.take()
+    assert b.position == 10
+    with pytest.raises(ValueError, match="index"):
+        b.load_state_dict({"epoch": 0, "index": 5})
