@@ -33,6 +33,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
+from models.tokenizer import TokenizerConfig
 from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
 from rl.warmup import WarmupConfig
@@ -49,8 +50,6 @@ class TaskConfig:
     """Registered task (rl/tasks)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
-    tokenizer: str = "byte"
-    """"byte" (the tiny models' tokenizer) or a local Hugging Face tokenizer directory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +208,9 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer (`tokenizer.path`: "byte" or a local Hugging Face directory) and its chat template
+    (models/tokenizer.py): prompts are rendered with it, its end-of-turn ids stop answers."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """The supervised warm-up before RL (rl/warmup.py); steps=0 (the default) = none."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -290,7 +292,8 @@ class RunConfig:
 RENAMED_KEYS = {"memory.pool_mb": "engine.pool_mb", "memory.host_pool_mb": "engine.host_pool_mb",
                 "rollout.max_model_len": "engine.max_model_len",
                 "rollout.max_num_batched_tokens": "engine.max_num_batched_tokens",
-                "rollout.kernel_impl": "engine.kernel_impl", "rollout.kda_state_dtype": "engine.kda_state_dtype"}
+                "rollout.kernel_impl": "engine.kernel_impl", "rollout.kda_state_dtype": "engine.kda_state_dtype",
+                "task.tokenizer": "tokenizer.path"}
 """Old key -> new key, same value. Three more old keys map to config groups (`upgrade_overrides`):
 rollout.prefix_hash_block, rollout.kv_budget_tokens and rollout.kv_policy; and the value
 rollout.max_concurrency=auto is now null."""
@@ -365,12 +368,16 @@ def upgrade_stored_config(tree: dict) -> dict:
     holding the engine's knobs) in today's layout, as `resolved_config` would write it now: the
     engine's other knobs at the values that version's build() used (the EngineConfig defaults), its
     prefix cache salted PREFIX_CACHE_MODEL_ID. A tree with an `engine` group is returned as is."""
+    tree = copy.deepcopy(tree)
+    if "tokenizer" in tree.get("task", {}) and "tokenizer" not in tree:  # task.tokenizer -> tokenizer.path
+        tree["tokenizer"] = {"path": tree["task"].pop("tokenizer")}
     if "engine" in tree:
         return tree
-    tree = copy.deepcopy(tree)
     rollout = tree.get("rollout", {})
     moved = {}
     for old, new in RENAMED_KEYS.items():
+        if not new.startswith("engine."):
+            continue
         group, key = old.split(".")
         if key in tree.get(group, {}):
             moved[new.split(".")[1]] = tree[group].pop(key)

@@ -183,8 +183,19 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     if cfg.memory.spill_dir is not None and engine.host is not None:
         engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer
-    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger)
-    driver = RolloutDriver(engine, load_tokenizer(cfg.task.tokenizer), cfg.task.name, cfg.task.params, cfg.rollout,
+    # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
+    total_steps = cfg.experiment.iterations * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=total_steps)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
+                         f"vocab_size is {cfg.model.vocab_size}: ids past it have no embedding; expected a tokenizer "
+                         f"of at most {cfg.model.vocab_size} tokens (or a model config that matches it)")
+    if ranks.world > 1 and cfg.algo.mini_batches > 1:
+        raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} with {ranks.world} ranks: each mini-batch is "
+                         f"normalised by its own counts, which needs one rank for now; expected algo.mini_batches=1 "
+                         f"(algo.ppo_epochs works on several ranks)")
+    driver = RolloutDriver(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.rollout,
                            group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
                            sum_over_ranks=lambda n: int(ranks.sum([n])[0]))
     run_dir = Path(cfg.run_dir)
@@ -203,6 +214,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                      micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
                      ranks=ranks, checkpoint=cfg.checkpoint, max_staleness=cfg.rollout.max_staleness,
+                     ppo_epochs=cfg.algo.ppo_epochs, mini_batches=cfg.algo.mini_batches,
                      run_config=resolved_config(cfg))
 
 

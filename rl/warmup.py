@@ -91,14 +91,16 @@ def demo_tokens(env, tokenizer, seed: int, value: bool) -> tuple[list[int], list
 
 @contextmanager
 def learning_rate(trainer: Trainer, lr: float | None) -> Iterator[None]:
-    """The trainer's optimizer at `lr` inside the block (None: unchanged), its own lr restored after."""
+    """The trainer's optimizer at `lr` inside the block (None: unchanged), its own lr restored after;
+    the block's steps neither follow nor advance the RL lr schedule (`ShardedHostAdamW.unscheduled`)."""
     groups = trainer.optimizer.adam.param_groups
     saved = [g["lr"] for g in groups]
     if lr is not None:
         for g in groups:
             g["lr"] = lr
     try:
-        yield
+        with trainer.optimizer.unscheduled():
+            yield
     finally:
         for g, value in zip(groups, saved):
             g["lr"] = value

@@ -182,7 +182,7 @@ def _copy_tokenizer(tokenizer: str | None, tmp: Path) -> tuple[list[str], str]:
                     f"prompt), {byte.eos_token_id} eos, {byte.pad_token_id} pad; decode by dropping ids >= 256.")
     source = Path(tokenizer)
     if not source.is_dir():
-        raise ExportError(f"tokenizer={tokenizer!r} (the run's task.tokenizer) is not a directory here; pass "
+        raise ExportError(f"tokenizer={tokenizer!r} (the run's tokenizer.path) is not a directory here; pass "
                           f"tokenizer=<directory> to copy it from where it is now, or tokenizer=byte")
     copied = sorted(p.name for p in source.iterdir() if p.is_file() and not _NOT_TOKENIZER.search(p.name))
     if not copied:
@@ -198,7 +198,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
     """Write checkpoint directory `checkpoint` (config.json + safetensors; its run_config.json gives
     the tokenizer and the sampling) as a servable directory `out` (module docstring: the files,
     atomicity). `dtype`: "fp32" | "bf16"; `tokenizer`: "byte" or a Hugging Face tokenizer directory,
-    None = the run's `task.tokenizer`. Returns `out`; on return every file is durable."""
+    None = the run's `tokenizer.path`. Returns `out`; on return every file is durable."""
     checkpoint, out = Path(checkpoint), Path(out)
     try:
         torch_dtype = parse_dtype(dtype)
@@ -210,7 +210,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
     check_servable(config)
     run_config = json.loads((checkpoint / RUN_CONFIG).read_text()) if (checkpoint / RUN_CONFIG).exists() else {}
     if tokenizer is None:
-        tokenizer = (run_config.get("task") or {}).get("tokenizer")
+        tokenizer = ((run_config.get("tokenizer") or {}).get("path")  # older runs: task.tokenizer
+                     or (run_config.get("task") or {}).get("tokenizer"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp_export_{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a failed export

@@ -9,7 +9,7 @@ Exports one published checkpoint of an RL run as a Hugging Face `kimi_linear` di
     dtype           the weights' dtype: bf16 (default) or fp32
     max_shard_size  the most bytes of one safetensors file: 5GB (default), 500MB, 2GiB, a byte count
     out             the directory to create (absent or empty); default run_dir/export/iter_N
-    tokenizer       default: the run's task.tokenizer (a directory's files are copied; byte: none)
+    tokenizer       default: the run's tokenizer.path (a directory's files are copied; byte: none)
 
 Exit status 0 on success, 2 on a bad argument or a checkpoint that cannot be exported (one line on
 stderr naming the value); nothing is left under `out` then.
