@@ -365,7 +365,24 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(to_run_config(cfg))
+    run(to_run_config(_sweep_run_dir(cfg)))
+
+
+def _sweep_run_dir(cfg: DictConfig) -> DictConfig:
+    """Under `-m` (a Hydra sweep) each job gets its own run_dir: the configured one plus `-job<N>`. Under
+    torchrun every rank must name the same run_dir, so the default (timestamped per process) must be
+    replaced by an explicit `run_dir=...`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg.run_dir = f"{cfg.run_dir}-job{hydra_cfg.job.num}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not any(o.startswith("run_dir=")
+                                                               for o in hydra_cfg.overrides.task):
+        raise ValueError("under torchrun pass run_dir=<dir> explicitly: the default run_dir carries each "
+                         "process's start time, and every rank must name the same directory")
+    return cfg
 
 
 if __name__ == "__main__":
