@@ -343,16 +343,20 @@ def _iteration_metrics(p: LoopParts, groups, rollout: dict[str, float], train: d
     list is cleared). Rewards are summed in global group order, so one rank and N ranks that
     generated the same groups report the same reward_mean bit for bit."""
     local = {"metrics": {**rollout, **train, **{f"seconds/{k}": v for k, v in seconds.items()}},
-             "rewards": [(g[0].group_id, [t.reward for t in g]) for g in groups],
+             # (group, rewards, correct): correct is the environment's is_correct, else reward >= 1
+             "rewards": [(g[0].group_id, [t.reward for t in g],
+                          [t.reward >= 1.0 if t.is_correct is None else t.is_correct for t in g]) for g in groups],
              "errors": list(p.driver.errors)}
     p.driver.errors.clear()
     gathered = p.ranks.all_gather(local)
     metrics = merge_metrics([r["metrics"] for r in gathered]) if p.ranks.world > 1 else local["metrics"]
-    rewards = [x for _, rs in sorted(g for r in gathered for g in r["rewards"]) for x in rs]
+    ordered = sorted((g for r in gathered for g in r["rewards"]), key=lambda g: g[0])
+    rewards = [x for _, rs, _ in ordered for x in rs]
+    correct = [c for _, _, cs in ordered for c in cs]
     errors = [(f"rank {rank}: " if p.ranks.world > 1 else "") + e for rank, r in enumerate(gathered) for e in r["errors"]]
     metrics.update(groups_trained=float(sum(len(r["rewards"]) for r in gathered)),
                    reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
-                   reward_correct_frac=sum(x >= 1.0 for x in rewards) / len(rewards) if rewards else float("nan"))
+                   reward_correct_frac=sum(correct) / len(correct) if correct else float("nan"))
     return metrics, errors
 
 

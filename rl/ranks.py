@@ -163,6 +163,9 @@ MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", 
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
 TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""
+TRAJECTORY_WEIGHTED_PREFIXES = ("reward/",)
+"""Per-trajectory means (reward components): weighted by each rank's `trajectories_finished`; a rank
+without the metric had none of that component (0), as within a rank."""
 
 
 def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -189,7 +192,11 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             total = sum(weights)
             # (w / total) * v: a single rank with tokens passes its value through unchanged
             out[key] = sum(w / total * v for w, v in zip(weights, values)) if total else float("nan")
+        elif key.startswith(TRAJECTORY_WEIGHTED_PREFIXES):
+            weights = [m.get("trajectories_finished", 0.0) for m in per_rank]
+            total = sum(weights)
+            out[key] = sum(w / total * m.get(key, 0.0) for w, m in zip(weights, per_rank)) if total else float("nan")
         else:
             raise KeyError(f"no rule merges metric {key!r} over ranks (rl/ranks.py: SUMMED, MAXED, "
-                           f"TOKEN_WEIGHTED_PREFIXES)")
+                           f"TOKEN_WEIGHTED_PREFIXES, TRAJECTORY_WEIGHTED_PREFIXES)")
     return out

@@ -25,9 +25,14 @@ which is then skipped (GRPO needs the group), a later one drops only its traject
 - `tokenizer`: encoding a prompt or observation, or decoding an answer, raised;
 - `bad_reward`: a step's reward is not a finite number.
 The circuit breaker over these counts lives in rl/orchestrator.py.
+Data rows: with a `RowSampler` (rl/data.py), global group g takes the sampler's row g-th in its
+deterministic order (every rank advances over every global group, so ranks agree without talking);
+an environment whose `reset` takes `row` receives it, and a prompt given as chat messages is
+rendered as they are. The sampler's position is part of the driver's checkpoint state.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import time
@@ -35,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rl.cache_metrics import cache_metrics
+from rl.data import DataExhausted, RowSampler
 from rl.driver_config import DriverConfig
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
@@ -114,6 +120,12 @@ class Trajectory:
     done: bool = False
     request_id: str | None = None
     """The paused engine request holding this trajectory's KV (partial_resume="kv")."""
+    row_index: int | None = None
+    """The group's data row (its global index in the RowSampler's order); None without data."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Named reward parts (StepResult.components) summed over the turns."""
+    is_correct: bool | None = None
+    """The last turn's StepResult.is_correct: None when the environment did not say."""
 
     @property
     def num_generated_in_turn(self) -> int:
@@ -154,11 +166,13 @@ class RolloutDriver:
 
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
                  group_size: int, seed: int, rank: int = 0, world: int = 1,
-                 sum_over_ranks: Callable[[int], int] | None = None) -> None:
+                 sum_over_ranks: Callable[[int], int] | None = None, rows: RowSampler | None = None) -> None:
         """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
         generates only the groups g with g % world == rank (every seed derives from the run `seed`
         and the global g, so the episodes and sampled tokens do not depend on the number of ranks),
-        and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world)."""
+        and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world).
+        `rows`: the data source; group g gets its g-th row (passed to `reset(seed, row=...)` when the
+        task's reset takes `row`)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
         if world > 1 and config.max_groups_in_flight is not None and sum_over_ranks is None:
@@ -169,9 +183,15 @@ class RolloutDriver:
         self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
         try:
-            make_task(task_name, **self.task_params)  # fail now, with the task's own message
+            probe = make_task(task_name, **self.task_params)  # fail now, with the task's own message
         except TypeError as err:
             raise ValueError(f"task {task_name!r} rejects params {self.task_params}: {err}") from None
+        self.rows = rows
+        self.pass_row = rows is not None and "row" in inspect.signature(probe.reset).parameters
+        """The data row is passed to `reset` (a data source is set and the task's reset takes `row`)."""
+        self.data_exhausted = False
+        """The sampler ran out (DataExhausted): no new groups start; the caller ends the run when
+        the driver has nothing left in flight."""
         self.group_size, self.seed = group_size, seed
         # the config's knobs under the names the iteration code reads; budget_tokens is this rank's share
         self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
@@ -225,11 +245,17 @@ class RolloutDriver:
         env = self.envs.get(traj.traj_id)
         if env is None:
             env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
-            self._env_call("reset", env.reset, mix_seed(self.seed, traj.group_id))
+            self._reset(env, traj.group_id, traj.row_index)
             for answer in traj.answers:
                 self._env_call("step (replay)", env.step, answer)
             self.envs[traj.traj_id] = env
         return env
+
+    def _reset(self, env: Environment, group: int, row_index: int | None) -> object:
+        """env.reset for group `group`, with its data row when the task takes one. Raises Dropped."""
+        if self.pass_row and row_index is not None:
+            return self._env_call("reset", lambda: env.reset(mix_seed(self.seed, group), row=self.rows[row_index]))
+        return self._env_call("reset", env.reset, mix_seed(self.seed, group))
 
     def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
         """The request continuing `trajs` (one group's first turn, or one trajectory), its follow-up a
@@ -268,6 +294,7 @@ class RolloutDriver:
             result = self._env_call("step", env.step, answer)
             try:
                 raw_reward, done, observation = result.reward, result.done, result.observation
+                components, is_correct = dict(getattr(result, "components", {})), getattr(result, "is_correct", None)
             except AttributeError as err:
                 raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
             reward = self._reward(raw_reward)
@@ -278,6 +305,10 @@ class RolloutDriver:
             return False
         traj.answers.append(answer)
         traj.reward += reward
+        for name, value in components.items():
+            traj.components[name] = traj.components.get(name, 0.0) + float(value)
+        if is_correct is not None:
+            traj.is_correct = bool(is_correct)
         if last:
             self._finish(traj, stats)
             return False
@@ -294,6 +325,8 @@ class RolloutDriver:
         self.envs.pop(traj.traj_id, None)
         self.waiting.setdefault(traj.group_id, []).append(traj)
         stats["finished"] += 1
+        for name, value in traj.components.items():
+            stats["components"][name] = stats["components"].get(name, 0.0) + value
 
     def _drop(self, trajs: list[Trajectory], fault: Dropped, stats: dict) -> None:
         """Take `trajs` (one trajectory, or a whole group before its first request) out of their group,
@@ -322,7 +355,7 @@ class RolloutDriver:
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
-        stats = {"tokens": 0, "finished": 0, **{f"dropped/{reason}": 0 for reason in DROP_REASONS}}
+        stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS}}
         carry, self.carry = self.carry, []
         paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
         for traj in carry:
@@ -336,23 +369,17 @@ class RolloutDriver:
             self.engine.resume(request_id)
             dispatcher.adopt(request_id, self._request(trajs, stats))
         for _ in range(self._new_groups()):
+            row_index = None
+            if self.rows is not None:
+                try:
+                    self.rows[self.rows.position]  # every rank passes every global group: all agree
+                except DataExhausted:
+                    self.data_exhausted = True
+                    break
+                row_index, self.rows.position = self.rows.position, self.rows.position + 1
             group, self.next_group = self.next_group, self.next_group + 1
-            if group % self.world != self.rank:
-                continue  # another rank's share
-            trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0) for m in range(self.group_size)]
-            self.group_sizes[group] = self.group_size
-            try:  # the group's prompt: a fault here drops the whole group
-                env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
-                text = self._env_call("reset", env.reset, mix_seed(self.seed, group))
-                prompt = self._tokenizer_call(self.tokenizer.render, [{"role": "user", "content": text}])
-            except Dropped as fault:
-                self._drop(trajs, fault, stats)
-                continue
-            for t in trajs:
-                t.tokens, t.policy = list(prompt), [False] * len(prompt)
-                t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
-            for request in self._admissible(trajs, stats):
-                dispatcher.add(request)
+            if group % self.world == self.rank:  # else another rank's share
+                self._start_group(dispatcher, group, row_index, stats)
         t0, generated_before = time.perf_counter(), self.engine.num_generated
         counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
 
@@ -375,9 +402,30 @@ class RolloutDriver:
         return {**cache, "rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
+                # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
+                **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
                 **dropped, "trajectories_dropped": sum(dropped.values()),
                 # the names before the drops had reasons, kept for older readers
                 "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
+
+    def _start_group(self, dispatcher: Dispatcher, group: int, row_index: int | None, stats: dict) -> None:
+        """Group `group`'s trajectories and its first request (one prompt, n = group_size)."""
+        trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0, row_index=row_index)
+                 for m in range(self.group_size)]
+        self.group_sizes[group] = self.group_size
+        try:  # the group's prompt: a fault here drops the whole group
+            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
+            text = self._reset(env, group, row_index)
+            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+            prompt = self._tokenizer_call(self.tokenizer.render, messages)
+        except Dropped as fault:
+            self._drop(trajs, fault, stats)
+            return
+        for t in trajs:
+            t.tokens, t.policy = list(prompt), [False] * len(prompt)
+            t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
+        for request in self._admissible(trajs, stats):
+            dispatcher.add(request)
 
     def _new_groups(self) -> int:
         """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
@@ -421,7 +469,8 @@ class RolloutDriver:
         return {"next_group": self.next_group, "auto_limit": self.auto_limit,
                 "carry": [asdict(t) | {"request_id": None} for t in self.carry],
                 "waiting": {str(g): [asdict(t) for t in ts] for g, ts in self.waiting.items()},
-                "group_sizes": {str(g): n for g, n in self.group_sizes.items()}}
+                "group_sizes": {str(g): n for g, n in self.group_sizes.items()},
+                "rows": None if self.rows is None else self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_group, self.auto_limit = state["next_group"], state["auto_limit"]
@@ -429,3 +478,5 @@ class RolloutDriver:
         self.waiting = {int(g): [Trajectory(**t) for t in ts] for g, ts in state["waiting"].items()}
         self.group_sizes = {int(g): n for g, n in state["group_sizes"].items()}
         self.envs = {}
+        if self.rows is not None:  # a checkpoint from before the data source (no "rows"): position 0
+            self.rows.load_state_dict(state.get("rows") or {"epoch": 0, "index": 0})

@@ -6,11 +6,15 @@ the next turn), the reward of this turn and whether the episode is done. Single-
 done after one step; multi-turn (tool-using) tasks return an observation (e.g. a tool result)
 and the driver sends the whole conversation so far as the next request, marking the turn
 boundary (where the prefix cache keeps its durable checkpoints).
+With a data source (rl/data.py), an environment whose `reset` takes a `row` keyword receives the
+group's data row ({"prompt", "label", extras}) and may return its prompt as chat messages.
+A task is a registered name or an import path "package.module:Class".
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -20,6 +24,10 @@ class StepResult:
     """Text appended to the conversation after the policy's answer ("" when done)."""
     reward: float
     done: bool
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts of the reward, logged separately (the driver's `reward/<name>` metrics)."""
+    is_correct: bool | None = None
+    """Whether the episode's answer was right, when the environment knows (else reward >= 1 counts)."""
 
 
 class Environment(Protocol):
@@ -27,7 +35,8 @@ class Environment(Protocol):
     """The driver stops an episode after this many policy turns (reward so far counts)."""
 
     def reset(self, seed: int) -> str:
-        """Start an episode; returns the first prompt. Deterministic given `seed`."""
+        """Start an episode; returns the first prompt. Deterministic given `seed`. An environment
+        fed from data defines `reset(seed, row=None)` and may return a list of chat messages."""
 
     def step(self, answer: str) -> StepResult:
         """Score the policy's answer to the current turn."""
@@ -46,7 +55,27 @@ def register_task(name: str) -> Callable:
     return wrap
 
 
+def resolve_task(name: str) -> Callable[..., Environment]:
+    """The factory of task `name`: a registered name, or an import path "package.module:Class"."""
+    if name in TASKS:
+        return TASKS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown task {name!r}, expected one of {sorted(TASKS)} or an import path "
+                         f"'package.module:Class'")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"task {name!r}: expected an import path 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"task {name!r}: cannot import module {module_name!r} ({err})") from None
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ValueError(f"task {name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not isinstance(target, type):
+        raise ValueError(f"task {name!r}: {attr!r} is a {type(target).__name__}, expected a class")
+    return target
+
+
 def make_task(name: str, **kwargs) -> Environment:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}, expected one of {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+    return resolve_task(name)(**kwargs)
