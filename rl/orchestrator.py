@@ -1,7 +1,8 @@
 """The phase orchestrator: the one RL loop, explicit calls in order (SPEC §5.4).
 
 Per iteration:
-    [host_in] -> wake engine -> load policy weights into it (version = iteration + 1) -> ROLLOUT
+    [host_in] -> wake engine -> load policy weights into it (version = iteration + 1) -> [eval, when
+    due: held-out episodes on these weights, rl/validation.py; its val/ metrics join the iteration's] -> ROLLOUT
     -> engine sleep -> [host_out] -> [restore training state, if spilled] -> TRAIN (reference
     logprobs, policy update) -> log -> checkpoint -> offload training state (NVMe spill with
     memory.spill_dir).
@@ -58,6 +59,7 @@ from rl.ranks import Ranks, merge_metrics, weights_checksum
 from rl.rollout import DROP_REASONS, RolloutDriver
 from rl.tracking import Tracker
 from rl.update import PackedBatch, policy_update, reference_logprobs
+from rl.validation import eval_due
 from rollout.engine import Engine
 from trainer.losses import LossConfig
 from trainer.ref_stream import StreamedReference
@@ -227,6 +229,13 @@ class LoopParts:
     """algo.ppo_epochs: passes over each iteration's batch."""
     mini_batches: int = 1
     """algo.mini_batches: optimizer steps per pass (mini-batches of whole sequences)."""
+    evaluate: Callable[[int], dict[str, float]] | None = None
+    """Validation (rl/validation.py `evaluator`): called with the iteration, plays this rank's share of
+    the held-out episodes on the freshly loaded weights and returns `val/...` metrics; None = never."""
+    eval_every: int | None = None
+    """eval.every: evaluate at iterations N, 2N, ... (None = never)."""
+    eval_before_train: bool = False
+    """eval.before_train: evaluate at iteration 0, before any update."""
 
     @property
     def device(self) -> torch.device:
@@ -255,6 +264,8 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         if p.engine.pool.is_released:
             phases.run(it, "wake", p.engine.wake)
         checksum = phases.run(it, "load_weights", lambda: _sync_weights(p, version=it + 1), bytes_moved=weight_bytes)
+        val = (phases.run(it, "eval", lambda: p.evaluate(it)) if p.evaluate is not None
+               and eval_due(it, p.eval_every, p.eval_before_train) else {})  # before the rollout touches the engine
         with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar:
             rollout = phases.run(it, "rollout", lambda: p.driver.run_iteration(progress=bar))
         if p.release_pool:
@@ -277,7 +288,7 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             phases.run(it, "restore", p.trainer.restore_states, bytes_moved=p.trainer.optimizer.spilled_bytes)
         train = (phases.run(it, "train", lambda: _train(p, groups, num_tokens, num_seqs)) if num_groups
                  else {"train_skipped": 1.0})
-        metrics, errors = _iteration_metrics(p, groups, rollout, train, phases.seconds)
+        metrics, errors = _iteration_metrics(p, groups, {**rollout, **val}, train, phases.seconds)
         metrics["engine_checksum"] = checksum
         # Logged before the checkpoint publishes `latest`: a crash in between costs a re-run of this
         # iteration (whose metrics the resume then replaces), never a published iteration without

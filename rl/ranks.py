@@ -155,17 +155,33 @@ SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_car
                     "dropped/timeout", "dropped/tokenizer", "dropped/bad_reward",
                     "train_tokens", "train_sequences", "loss/num_tokens",
                     "prefix_hit_tokens", "prefix_stale_hit_tokens", "kv_computed_tokens", "host_pages_written_back",
-                    "host_pages_prefetched", "host_pool_bytes", "ref_stream_bytes"})
-"""Counts, and the trainer's loss (each rank's share of the globally normalised loss)."""
+                    "host_pages_prefetched", "host_pool_bytes", "ref_stream_bytes",
+                    "val/num_prompts", "val/num_samples", "val/reward_sum", "val/num_correct", "val/num_pass",
+                    "val/mean_sum", "val/tokens", "val/errors"})
+"""Counts (an evaluation's raw sums included), and the trainer's loss (each rank's share of the
+globally normalised loss)."""
 MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped",
                    "grad_norm", "grad_clip_coef", "nonfinite_grad", "ref_stream_s", "ref_stream_wait_s",
-                   "lr", "optimizer_steps"})
+                   "lr", "optimizer_steps", "val/seconds"})
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
 TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""
 TRAJECTORY_WEIGHTED_PREFIXES = ("reward/",)
 """Per-trajectory means (reward components): weighted by each rank's `trajectories_finished`; a rank
 without the metric had none of that component (0), as within a rank."""
+VAL_RATIOS = {"val/reward_mean": ("val/reward_sum", "val/num_samples"),
+              "val/correct_frac": ("val/num_correct", "val/num_samples"),
+              "val/pass@": ("val/num_pass", "val/num_prompts"), "val/mean@": ("val/mean_sum", "val/num_prompts")}
+"""An evaluation's ratios (rl/validation.py; `val/pass@k`, `val/mean@k` by prefix): recomputed from
+the summed numerator and denominator, so N ranks sharing the prompts report what one rank would."""
+
+
+def _val_ratio(key: str) -> tuple[str, str] | None:
+    """The (numerator, denominator) counts of evaluation ratio `key`, or None."""
+    if key in VAL_RATIOS:
+        return VAL_RATIOS[key]
+    prefix = key[:key.find("@") + 1] if "@" in key else None
+    return VAL_RATIOS.get(prefix) if prefix else None
 
 
 def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -183,6 +199,10 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         elif key == "prefix_hit_frac":  # hit / (hit + computed) tokens of KV, over every rank's engine
             hits = sum(m["prefix_hit_tokens"] for m in have)
             out[key] = hits / max(1.0, hits + sum(m["kv_computed_tokens"] for m in have))
+        elif _val_ratio(key) is not None:
+            num, den = _val_ratio(key)
+            total = sum(m[den] for m in have)
+            out[key] = sum(m[num] for m in have) / total if total else float("nan")
         elif key in SUMMED:
             out[key] = sum(values)
         elif key in MAXED or key.startswith("seconds/") or key.endswith("_max"):
