@@ -5,8 +5,10 @@ An evaluation plays `num_prompts` held-out episodes, each `n` times (greedy at t
 sampled), following the environment until it is done (multi-turn: the conversation so far is the
 next request, its turn boundaries marked, as rl/rollout.py's driver does). Episode i is started
 with `reset(mix_seed(seed, HELD_OUT + i))`, a stream the training groups (`mix_seed(seed, g)`)
-never reach, and the same episodes are played at every evaluation, with the same sampling seeds:
-two evaluations differ only by the weights.
+never reach, or, given validation data rows (rl/data.py, `data.val_files`), with
+`reset(seed, row=rows[i])` for the first min(num_prompts, len(rows)) rows (a prompt given as chat
+messages is rendered as they are). The same episodes are played at every evaluation, with the
+same sampling seeds: two evaluations differ only by the weights.
 
 Scoring: a sample's reward is the sum of its turns' rewards; it is *correct* when its last step
 result says so (`is_correct`, where the task sets it) and otherwise when its reward is >= 1.0 (the
@@ -34,10 +36,11 @@ fills the pool can preempt them as any pool pressure would.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,17 +203,20 @@ class _TurnEnd:
 
 
 def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, seed: int,
-           env_timeout_s: float | None) -> tuple[str, list[_Sample]]:
-    """Held-out episode `index`'s prompt text and its n samples, each with its own environment reset
-    to the episode's seed. A fault here ends every sample with its error (and no request is made)."""
+           env_timeout_s: float | None, row: dict | None) -> tuple[str | list[dict], list[_Sample]]:
+    """Held-out episode `index`'s prompt (text, or the chat messages a data row gives) and its n
+    samples, each with its own environment reset to the episode's seed (and `row`, when given). A
+    fault here ends every sample with its error (and no request is made)."""
     episode_seed = mix_seed(seed, HELD_OUT + index)
     samples: list[_Sample] = []
-    text = ""
+    text: str | list[dict] = ""
     try:
         for member in range(n):
             env = call_with_timeout(lambda: make_task(task_name, **task_params), env_timeout_s, "task factory")
-            text = call_with_timeout(lambda: env.reset(episode_seed), env_timeout_s, "reset")
-            samples.append(_Sample(index, member, env, list(tokenizer.render([{"role": "user", "content": text}]))))
+            text = call_with_timeout(lambda: env.reset(episode_seed) if row is None else env.reset(episode_seed, row=row),
+                                     env_timeout_s, "reset")
+            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+            samples.append(_Sample(index, member, env, list(tokenizer.render(messages))))
     except Exception as err:  # noqa: BLE001 - a fault ends this prompt's samples, not the evaluation
         samples = [_Sample(index, member, None, [], error=f"{type(err).__name__}: {err}") for member in range(n)]
     return text, samples
@@ -219,14 +225,18 @@ def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, see
 def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, config: EvalConfig, *, seed: int,
              iteration: int, out_dir: str | Path | None, rank: int = 0, world: int = 1,
              rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
-             env_timeout_s: float | None = DriverConfig.env_timeout_s) -> dict[str, float]:
+             env_timeout_s: float | None = DriverConfig.env_timeout_s,
+             rows: Sequence[dict] | None = None) -> dict[str, float]:
     """One evaluation of the engine's current weights (module docstring): this rank's share of the
     held-out prompts (i % world == rank), each played `config.n` times; returns the metrics (ratios
     and raw sums, `val/...`) and writes the dump under `out_dir` when `config.dump` (and out_dir is
     given). `rollout_max_new_tokens` applies when config.max_new_tokens is None; `env_timeout_s`
-    bounds each environment call. Mutates nothing the training rollout reads."""
+    bounds each environment call. `rows` (validation data rows, rl/data.py): prompt i is `rows[i]`,
+    handed to `reset(seed, row=...)`, for the first min(num_prompts, len(rows)) rows. Mutates
+    nothing the training rollout reads."""
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
+    check_rows(task_name, task_params, rows)
     if engine.pool.is_released:
         raise RuntimeError("evaluate: the engine is asleep (its pool is released); wake() it first")
     if engine.scheduler.running or engine.scheduler.waiting:
@@ -237,14 +247,16 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
     sampling = {"max_new_tokens": max_new, "temperature": config.temperature, "top_p": config.top_p,
                 "stop_token_ids": tuple(tokenizer.stop_token_ids)}
     episodes = _Episodes(engine, tokenizer, sampling, seed, env_timeout_s)
-    prompts: list[tuple[int, str, list[_Sample]]] = []
+    prompts: list[tuple[int, str | list[dict], list[_Sample]]] = []
     dispatcher = Dispatcher(engine, ThrottleConfig())
     prefix = engine.cache.prefix
     prefix_was_empty = prefix is not None and not prefix.index.mla and not prefix.index.kda
     before = set(engine.requests)
     try:
-        for i in range(rank, config.num_prompts, world):
-            text, samples = _start(task_name, task_params, tokenizer, i, config.n, seed, env_timeout_s)
+        num_prompts = config.num_prompts if rows is None else min(config.num_prompts, len(rows))
+        for i in range(rank, num_prompts, world):
+            row = None if rows is None else rows[i]
+            text, samples = _start(task_name, task_params, tokenizer, i, config.n, seed, env_timeout_s, row)
             prompts.append((i, text, samples))
             if samples[0].error is None:  # the prompt's first turn: one request of n samples (prefilled once)
                 for sub in episodes.request(samples):
@@ -262,7 +274,20 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
     return metrics
 
 
-def _metrics(prompts: list[tuple[int, str, list[_Sample]]], n: int, seconds: float) -> dict[str, float]:
+def check_rows(task_name: str, task_params: dict, rows: Sequence[dict] | None) -> None:
+    """ValueError unless `rows` is None, or non-empty and the task's `reset` takes a `row`."""
+    if rows is None:
+        return
+    if not len(rows):
+        raise ValueError("evaluation rows: the list is empty, expected at least one row (or none: the task's "
+                         "own held-out episodes)")
+    reset = make_task(task_name, **task_params).reset
+    if "row" not in inspect.signature(reset).parameters:
+        raise ValueError(f"evaluation rows given, but task {task_name!r}'s reset takes no `row`: expected a task "
+                         f"over data rows (such as 'scored')")
+
+
+def _metrics(prompts: list[tuple[int, str | list[dict], list[_Sample]]], n: int, seconds: float) -> dict[str, float]:
     samples = [s for _, _, ss in prompts for s in ss]
     sums = {"val/num_prompts": float(len(prompts)), "val/num_samples": float(len(samples)),
             "val/reward_sum": sum(s.reward for s in samples),
@@ -286,7 +311,7 @@ def val_ratios(sums: dict[str, float], n: int) -> dict[str, float]:
             f"val/mean@{n}": ratio("val/mean_sum", "val/num_prompts")}
 
 
-def _dump(path: Path, iteration: int, prompts: list[tuple[int, str, list[_Sample]]]) -> None:
+def _dump(path: Path, iteration: int, prompts: list[tuple[int, str | list[dict], list[_Sample]]]) -> None:
     """One JSON line per prompt, written atomically and durably."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"iteration": iteration, "index": i, "prompt": text, "samples": [s.row() for s in ss]})
@@ -297,16 +322,18 @@ def _dump(path: Path, iteration: int, prompts: list[tuple[int, str, list[_Sample
 def evaluator(engine: Engine, tokenizer, task_name: str, task_params: dict, config: EvalConfig, *, seed: int,
               out_dir: str | Path | None, rank: int = 0, world: int = 1,
               rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
-              env_timeout_s: float | None = DriverConfig.env_timeout_s) -> Callable[[int], dict[str, float]] | None:
+              env_timeout_s: float | None = DriverConfig.env_timeout_s,
+              rows: Sequence[dict] | None = None) -> Callable[[int], dict[str, float]] | None:
     """`evaluate` bound to the run's parts, called with the iteration (rl/orchestrator.py's
     `LoopParts.evaluate`); None when `config` never evaluates."""
     if config.every is None and not config.before_train:
         return None
     make_task(task_name, **task_params)  # fail now, with the task's own message
+    check_rows(task_name, task_params, rows)
 
     def run(iteration: int) -> dict[str, float]:
         return evaluate(engine, tokenizer, task_name, task_params, config, seed=seed, iteration=iteration,
                         out_dir=out_dir, rank=rank, world=world, rollout_max_new_tokens=rollout_max_new_tokens,
-                        env_timeout_s=env_timeout_s)
+                        env_timeout_s=env_timeout_s, rows=rows)
 
     return run

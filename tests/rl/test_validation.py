@@ -221,3 +221,34 @@ def test_the_loop_runs_an_eval_phase_and_logs_val_metrics(tmp_path):
         assert not any(k.startswith("val/") for k in b)
         for key in ("reward_mean", "rollout_tokens", "loss", "engine_checksum"):
             assert a[key] == b[key], key
+
+
+EVEN = '''
+def compute_score(solution_str, ground_truth, extra_info):
+    even = bool(solution_str) and ord(solution_str[0]) % 2 == 0
+    return {"score": 0.25 * even, "acc": even}
+'''
+
+
+def test_validation_rows_feed_a_data_task_and_its_verdict_counts(tmp_path):
+    """Given validation rows (data.val_files), prompt i is rows[i] (messages rendered as they are),
+    at most num_prompts of them; correctness is the reward function's "acc"."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+    rows = [{"prompt": f"q{i}=", "label": str(i)} for i in range(4)] + [{"prompt": [{"role": "user", "content": "hi"}]}]
+    cfg = EvalConfig(num_prompts=16, n=4, temperature=1.0, max_new_tokens=2)
+    m = evaluate(engine(), ByteTokenizer(), "scored", {"reward_path": str(reward)}, cfg, seed=7, iteration=0,
+                 out_dir=tmp_path, rows=rows)
+    dumped = lines(tmp_path / "val" / "iter_0.jsonl")
+    assert [r["prompt"] for r in dumped] == [r["prompt"] for r in rows] and m["val/num_prompts"] == 5
+    assert 0 < m["val/correct_frac"] < 1 and m["val/reward_mean"] == pytest.approx(0.25 * m["val/correct_frac"])
+    assert m["val/errors"] == 0
+    capped = evaluate(engine(), ByteTokenizer(), "scored", {"reward_path": str(reward)},
+                      EvalConfig(num_prompts=2, max_new_tokens=2), seed=7, iteration=0, out_dir=None, rows=rows)
+    assert capped["val/num_prompts"] == 2
+    with pytest.raises(ValueError, match="'majority_digit'.s reset takes no `row`"):
+        evaluate(engine(), ByteTokenizer(), "majority_digit", {"length": 3}, cfg, seed=7, iteration=0, out_dir=None,
+                 rows=rows)
+    with pytest.raises(ValueError, match="the list is empty"):
+        evaluator(engine(), ByteTokenizer(), "scored", {"reward_path": str(reward)}, EvalConfig(every=1), seed=7,
+                  out_dir=None, rows=[])
