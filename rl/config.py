@@ -462,10 +462,28 @@ def _build_groups(node: DictConfig, path: str) -> None:
         raise ValueError(f"{path[:-1]}: {message}") from None
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """The composed Hydra config as validated dataclasses (value errors name the key)."""
+def to_run_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The composed Hydra config as validated dataclasses (value errors name the key). With
+    experiment.checkpoint and no `model` group or `model.*` key among the command line's `overrides`,
+    the model config is the checkpoint's config.json (`adopt_checkpoint_model`)."""
+    adopt_checkpoint_model(cfg, overrides)
     _build_groups(cfg, "")
     return OmegaConf.to_object(cfg)
+
+
+def adopt_checkpoint_model(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """Start from a checkpoint without repeating its shape: its config.json becomes the `model` node,
+    unless the command line chose a model group or model keys (then rl/train.py's
+    check_checkpoint_model refuses any difference, naming each key)."""
+    start = cfg.experiment.get("checkpoint")
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    if start is None or any(k == "model" or k.startswith("model.") for k in keys):
+        return
+    stored = Path(start) / "config.json"
+    if not stored.exists():
+        raise FileNotFoundError(f"experiment.checkpoint={start!r} has no config.json (a Hugging Face checkpoint "
+                                f"directory is expected)")
+    cfg.model = OmegaConf.structured(ModelConfig.from_hf_dict(json.loads(stored.read_text())))
 
 
 def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -475,4 +493,5 @@ def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose("config", overrides=upgrade_overrides(list(overrides))))
+        overrides = upgrade_overrides(list(overrides))
+        return to_run_config(compose("config", overrides=overrides), overrides)

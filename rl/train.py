@@ -365,7 +365,9 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(to_run_config(_sweep_run_dir(cfg)))
+    from hydra.core.hydra_config import HydraConfig
+
+    run(to_run_config(_sweep_run_dir(cfg), HydraConfig.get().overrides.task))
 
 
 def _sweep_run_dir(cfg: DictConfig) -> DictConfig:

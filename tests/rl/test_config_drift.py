@@ -58,13 +58,17 @@ def test_resume_must_refuses_an_empty_run_dir(tmp_path):
         composed("resume=maybe")
 
 
-def test_a_start_checkpoint_of_another_model_is_refused(tmp_path):
+def test_a_start_checkpoint_gives_the_model_config_and_a_conflicting_model_group_is_refused(tmp_path):
     start = tmp_path / "start"
     save_checkpoint(HybridLM(load_model_config("configs/model/tiny.yaml", ["rms_norm_eps=0.001"])).init_weights(seed=1),
                     start)
+    # no model group or key on the command line: the checkpoint's config.json is the model config
+    assert composed(*SMALL, f"experiment.checkpoint={start}").model.rms_norm_eps == 0.001
     with pytest.raises(ValueError, match="another model than the config's `model` group: rms_norm_eps: 0.001"):
-        run(composed(f"run_dir={tmp_path / 'run'}", *SMALL, f"experiment.checkpoint={start}"))
+        run(composed(f"run_dir={tmp_path / 'run'}", *SMALL, "model=tiny", f"experiment.checkpoint={start}"))
     assert not (tmp_path / "run").exists()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        composed(*SMALL, f"experiment.checkpoint={tmp_path}")
 
 
 def test_a_refused_start_leaves_the_earlier_starts_hydra_records(tmp_path):
