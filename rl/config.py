@@ -34,6 +34,7 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
+from rl.data import DataConfig
 from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
 from rl.warmup import WarmupConfig
@@ -47,7 +48,7 @@ from trainer.step import TrainerConfig
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     name: str = "majority_digit"
-    """Registered task (rl/tasks)."""
+    """Registered task (rl/tasks) or an import path "package.module:Class"."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
 
@@ -208,6 +209,8 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and labels from files (rl/data.py); train_files=[] = the task generates its prompts."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """The tokenizer (`tokenizer.path`: "byte" or a local Hugging Face directory) and its chat template
     (models/tokenizer.py): prompts are rendered with it, its end-of-turn ids stop answers."""
@@ -242,6 +245,9 @@ class RunConfig:
             raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
                              "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
                              "memory.spill_dir or give engine.host_pool_mb in MiB")
+        if self.task.name == "scored" and not self.data.enabled:
+            raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
+                             "the files (jsonl) of your prompts and labels")
         if r.reuse_stale_prefix and e.prefix_cache is None:
             raise ValueError("rollout.reuse_stale_prefix=true reuses the prefix cache's entries across iterations, but "
                              "the prefix cache is off; add prefix_cache=on")

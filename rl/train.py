@@ -42,6 +42,7 @@ from rl.config import (NO_DEFAULT, RunConfig, register_configs, schema_default, 
 from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
+from rl.data import RowSampler
 from rl.rollout import RolloutDriver
 from rl.figures import TimedStreamedReference, run_summary
 from rl.tasks.base import make_task
@@ -195,9 +196,17 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
         raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} with {ranks.world} ranks: each mini-batch is "
                          f"normalised by its own counts, which needs one rank for now; expected algo.mini_batches=1 "
                          f"(algo.ppo_epochs works on several ranks)")
+    rows = None
+    if cfg.data.enabled:
+        def encode(prompt):  # exactly what the driver sends
+            return tokenizer.render(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        rows, loaded = RowSampler.from_config(cfg.data, encode)
+        if ranks.is_writer and loaded.num_dropped_too_long:
+            print(f"data: dropped {loaded.num_dropped_too_long} rows longer than data.max_prompt_tokens="
+                  f"{cfg.data.max_prompt_tokens}; {len(rows)} kept", file=sys.stderr)
     driver = RolloutDriver(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.rollout,
                            group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
-                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]))
+                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]), rows=rows)
     run_dir = Path(cfg.run_dir)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
