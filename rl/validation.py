@@ -70,7 +70,7 @@ class EvalConfig:
     before_train: bool = False
     """Evaluate at iteration 0, before any update (verl's val_before_train)."""
     n: int = 1
-    """Samples per prompt (the k of pass@k and mean@k)."""
+    """Samples per prompt (the k of pass@k and mean@k); greedy (temperature 0) plays n identical ones."""
     temperature: float = 0.0
     """Sampling temperature of the evaluation; 0 = greedy (any value >= 0: nothing trains on it)."""
     top_p: float = 1.0
@@ -213,8 +213,8 @@ def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, see
     try:
         for member in range(n):
             env = call_with_timeout(lambda: make_task(task_name, **task_params), env_timeout_s, "task factory")
-            text = call_with_timeout(lambda: env.reset(episode_seed) if row is None else env.reset(episode_seed, row=row),
-                                     env_timeout_s, "reset")
+            reset = (lambda: env.reset(episode_seed)) if row is None else (lambda: env.reset(episode_seed, row=row))
+            text = call_with_timeout(reset, env_timeout_s, "reset")
             messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
             samples.append(_Sample(index, member, env, list(tokenizer.render(messages))))
     except Exception as err:  # noqa: BLE001 - a fault ends this prompt's samples, not the evaluation

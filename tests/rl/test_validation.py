@@ -190,21 +190,31 @@ def test_when_evaluations_are_due():
                      out_dir=None) is None
 
 
-def test_the_loop_runs_an_eval_phase_and_logs_val_metrics(tmp_path):
-    """Two iterations through run_loop with an evaluation before training and every iteration: an
+KV_CARRY = ("rollout.max_new_tokens=4", "rollout.budget_tokens=12", "rollout.partial_resume=kv",
+            "engine.host_pool_mb=4", "prefix_cache=on", "engine.prefix_cache.hash_block=16")
+"""Partial rollouts parked with their KV over the evaluation, and the prefix cache on."""
+
+
+@pytest.mark.parametrize("extra", [("rollout.max_new_tokens=2",), KV_CARRY], ids=["plain", "kv_carry_prefix_cache"])
+def test_the_loop_runs_an_eval_phase_and_logs_val_metrics(tmp_path, extra):
+    """Iterations through run_loop with an evaluation before training and at every iteration: an
     "eval" phase after load_weights in phases.jsonl, val/ metrics in metrics.jsonl, a dump per
-    evaluation, and the training figures of a run without evaluation."""
+    evaluation, and the training figures of a run without evaluation (also with partial rollouts
+    parked with their KV over the evaluation and the prefix cache on)."""
+    iterations = 3 if extra == KV_CARRY else 2  # the carried groups train in a later iteration
+
     def loop(run_dir, every):
-        cfg = composed(f"run_dir={run_dir}", "experiment.iterations=2", "tracking.wandb_mode=disabled",
+        cfg = composed(f"run_dir={run_dir}", f"experiment.iterations={iterations}", "tracking.wandb_mode=disabled",
                        "tracking.progress=false", "rollout.groups_per_iteration=2", "algo.group_size=4",
-                       "rollout.max_new_tokens=2")
+                       *extra)
         parts = build(cfg, resume_from=None)
         if every:
             config = EvalConfig(every=1, before_train=True, num_prompts=3, n=2, temperature=1.0)
             parts.evaluate = evaluator(parts.engine, parts.driver.tokenizer, cfg.task.name, cfg.task.params, config,
-                                       seed=cfg.seed, out_dir=run_dir, rollout_max_new_tokens=cfg.rollout.max_new_tokens)
+                                       seed=cfg.seed, out_dir=run_dir,
+                                       rollout_max_new_tokens=cfg.rollout.max_new_tokens)
             parts.eval_every, parts.eval_before_train = config.every, config.before_train
-        return run_loop(parts, 0, 2, max_drop_fraction=cfg.rollout.max_drop_fraction,
+        return run_loop(parts, 0, iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
                         max_idle_iterations=cfg.experiment.max_idle_iterations)
 
     with_eval, plain = loop(tmp_path / "eval", True), loop(tmp_path / "plain", False)
@@ -219,8 +229,11 @@ def test_the_loop_runs_an_eval_phase_and_logs_val_metrics(tmp_path):
     assert [len(lines(tmp_path / "eval" / "val" / f"iter_{it}.jsonl")) for it in (0, 1)] == [3, 3]
     for a, b in zip(with_eval, plain):
         assert not any(k.startswith("val/") for k in b)
-        for key in ("reward_mean", "rollout_tokens", "loss", "engine_checksum"):
-            assert a[key] == b[key], key
+        for key in ("reward_mean", "rollout_tokens", "trajectories_carried", "loss", "engine_checksum"):
+            assert a.get(key) == b.get(key) or math.isnan(a[key]) and math.isnan(b[key]), key
+    assert any(m["groups_trained"] for m in with_eval), "some group should train, so the losses are compared"
+    if extra == KV_CARRY:
+        assert with_eval[0]["trajectories_carried"] > 0, "the budget should leave work parked over the evaluation"
 
 
 EVEN = '''
