@@ -312,6 +312,11 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         history.append(metrics)
         idle = 0 if metrics["groups_trained"] or metrics["trajectories_carried"] else idle + 1
         _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
+        if p.driver.data_exhausted:  # the same on every rank (one global row order); so is this sum
+            pending = p.ranks.sum([len(p.driver.carry) + len(p.driver.group_sizes)])[0]
+            if not pending:
+                p.tracker.console.print(f"data exhausted after iteration {it} (data.epochs): every group trained")
+                break
     return history
 
 

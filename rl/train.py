@@ -42,11 +42,12 @@ from rl.config import (NO_DEFAULT, RunConfig, register_configs, schema_default, 
 from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
-from rl.data import RowSampler
+from rl.data import RowSampler, load_rows
 from rl.rollout import RolloutDriver
 from rl.figures import TimedStreamedReference, run_summary
 from rl.tasks.base import make_task
 from rl.tracking import Tracker
+from rl.validation import evaluator
 from rl.warmup import load_record, run_warmup
 from rollout.engine import Engine
 from trainer.ref_stream import StreamedReference
@@ -70,7 +71,7 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
 RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s", "experiment.max_idle_iterations",
                      "tracking.", "checkpoint.", "rollout.budget_tokens", "rollout.budget_seconds",
                      "rollout.max_drop_fraction", "rollout.env_timeout_s", "resume", "run_dir",
-                     "experiment.checkpoint", "experiment.num_threads", "warmup.")
+                     "experiment.checkpoint", "experiment.num_threads", "warmup.", "eval.")
 """Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
 on, its checkpoints' cadence, its budgets and fault limits, its CPU threads (and experiment.checkpoint
 and the warm-up, read only by a new run). Any other change is refused."""
@@ -208,6 +209,13 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                            group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
                            sum_over_ranks=lambda n: int(ranks.sum([n])[0]), rows=rows)
     run_dir = Path(cfg.run_dir)
+    val_rows = None
+    if cfg.data.val_files:  # the held-out rows, in file order (never shuffled)
+        val_rows = load_rows(cfg.data.val_files, cfg.data, lambda p: tokenizer.render(
+            p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
+    evaluate = evaluator(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.eval, seed=cfg.seed, out_dir=run_dir,
+                         rank=ranks.rank, world=ranks.world, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
+                         env_timeout_s=cfg.rollout.env_timeout_s, rows=val_rows)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
     # own store in it: every store locks its directory (memory/nvme_store.py).
@@ -224,6 +232,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                      ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
                      ranks=ranks, checkpoint=cfg.checkpoint, max_staleness=cfg.rollout.max_staleness,
                      ppo_epochs=cfg.algo.ppo_epochs, mini_batches=cfg.algo.mini_batches,
+                     evaluate=evaluate, eval_every=cfg.eval.every, eval_before_train=cfg.eval.before_train,
                      run_config=resolved_config(cfg))
 
 

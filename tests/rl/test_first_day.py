@@ -1,6 +1,7 @@
 """A user's first day (issue 20's acceptance): a jsonl of arithmetic problems, a reward.py in verl's
-convention, a tokenizer directory with a chat template; train 3 iterations with 2 PPO epochs, resume
-for one more, export, reload the export with transformers and compare logits."""
+convention, a tokenizer directory with a chat template; train 3 iterations with 2 PPO epochs and a
+validation at every iteration, resume for one more, export, reload the export with transformers and
+compare logits."""
 import json
 import random
 import sys
@@ -37,12 +38,15 @@ def test_data_reward_tokenizer_train_resume_export(tmp_path):
     tok = write_day_one(tmp_path)
     args = ["experiment=single_turn", "task=scored", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
             f"task.params.reward_path={tmp_path / 'reward.py'}", f"tokenizer.path={tok}", "model.vocab_size=320",
-            "algo.ppo_epochs=2", "rollout.groups_per_iteration=2", "algo.group_size=4", "rollout.max_new_tokens=3",
+            "algo.ppo_epochs=2", f"data.val_files=[{tmp_path / 'train.jsonl'}]", "eval.every=1", "eval.n=2",
+            "eval.num_prompts=4", "rollout.groups_per_iteration=2", "algo.group_size=4", "rollout.max_new_tokens=3",
             "tracking.wandb_mode=disabled", "tracking.progress=false", "tracking.plots=false",
             f"run_dir={tmp_path / 'run'}"]
     history = run(composed(*args, "experiment.iterations=3"))
     assert len(history) == 3 and all(h["optimizer_steps"] == 2 for h in history if "optimizer_steps" in h)
     assert all("reward/acc" in h and "reward/digit" in h for h in history)
+    assert all(0 <= h["val/pass@2"] <= 1 and h["val/num_prompts"] == 4 for h in history[1:])  # every=1: from 1 on
+    assert (tmp_path / "run" / "val" / "iter_1.jsonl").exists()
     more = run(composed(*args, "experiment.iterations=4", "resume=true"))
     assert len(more) == 1  # iteration 3 only: the resume continued after the last checkpoint
     out = tmp_path / "export"
@@ -53,3 +57,18 @@ def test_data_reward_tokenizer_train_resume_export(tmp_path):
     ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_err(hf(input_ids=ids).logits, ours(ids)) <= 1e-5
+
+
+def test_the_run_ends_when_its_data_is_exhausted(tmp_path):
+    """data.epochs=1 over 8 rows at 2 groups per iteration: 4 iterations train every row once; the
+    fifth finds no row left and the run stops (and says so) however many iterations were asked for."""
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n")
+    (tmp_path / "reward.py").write_text(REWARD)
+    history = run(composed("experiment=single_turn", "task=scored", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+                           f"task.params.reward_path={tmp_path / 'reward.py'}", "data.epochs=1",
+                           "rollout.groups_per_iteration=2", "algo.group_size=2", "rollout.max_new_tokens=2",
+                           "experiment.iterations=20", "tracking.wandb_mode=disabled", "tracking.progress=false",
+                           "tracking.plots=false", f"run_dir={tmp_path / 'run'}"))
+    assert len(history) == 5 and sum(h["groups_trained"] for h in history) == 8 and not history[-1]["groups_trained"]
