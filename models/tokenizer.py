@@ -61,6 +61,10 @@ class TokenizerConfig:
                                  "expected a tokenizer directory with one, or chat_template false or null")
         else:
             _check_directory(self.path)
+            reason = None if self.trust_remote_code else _remote_code_reason(self.path, None)
+            if reason is not None:
+                raise ValueError(f"tokenizer.path={self.path!r} needs code shipped with it ({reason}), which runs "
+                                 f"only when asked: set tokenizer.trust_remote_code=true if you trust that directory")
 
 
 def _check_directory(path: str) -> None:
@@ -277,7 +281,8 @@ def _import_transformers(path: str):
 
 def _remote_code_reason(path: str, transformers) -> str | None:
     """Why the tokenizer in `path` needs code shipped with it, or None: tokenizer_config.json maps
-    AutoTokenizer to a module of its own (`auto_map`), or names a `tokenizer_class` transformers lacks."""
+    AutoTokenizer to a module of its own (`auto_map`), or names a `tokenizer_class` transformers lacks
+    (checked only when the `transformers` module is given: composition does not import it)."""
     config_file = os.path.join(path, "tokenizer_config.json")
     if not os.path.isfile(config_file):
         return None
@@ -291,6 +296,8 @@ def _remote_code_reason(path: str, transformers) -> str | None:
         entry = auto_map["AutoTokenizer"] if isinstance(auto_map, dict) else auto_map
         return f"tokenizer_config.json auto_map names AutoTokenizer {entry!r}"
     name = config.get("tokenizer_class")
+    if transformers is None:
+        return None
     known = isinstance(name, str) and (hasattr(transformers, name) or hasattr(transformers, name.removesuffix("Fast")))
     if isinstance(name, str) and not known:
         return f"tokenizer_config.json tokenizer_class {name!r} is not in transformers"

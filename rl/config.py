@@ -34,7 +34,7 @@ from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
 from rl.config_upgrade import (PREFIX_CACHE_MODEL_ID, RENAMED_KEYS, DeprecatedKeyWarning,  # noqa: F401 (re-exported)
                                upgrade_overrides, upgrade_stored_config)
-from rl.data import DataConfig
+from rl.data import DataConfig, check_files
 from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
 from rl.validation import EvalConfig
@@ -50,6 +50,19 @@ class TaskConfig:
     """Registered task (rl/tasks) or an import path "package.module:Class"."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor."""
+
+    def __post_init__(self) -> None:
+        """The task resolves and builds with these params (a scored task loads its reward function)."""
+        from rl.tasks import resolve_task
+
+        try:
+            factory = resolve_task(self.name)
+        except ValueError as err:
+            raise ValueError(f"task.name={self.name!r}: {err}") from None
+        try:
+            factory(**self.params)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"task.name={self.name!r} with task.params={dict(self.params)!r}: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +260,17 @@ class RunConfig:
             raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
                              "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
                              "memory.spill_dir or give engine.host_pool_mb in MiB")
+        if self.data.train_files or self.data.val_files:
+            check_files(self.data)
+        o = self.trainer.optimizer
+        if o.lr_schedule != "constant" and o.total_steps is None and o.warmup_steps > self.optimizer_steps:
+            raise ValueError(f"trainer.optimizer.warmup_steps={o.warmup_steps}, but the run takes {self.optimizer_steps} "
+                             f"optimizer steps (experiment.iterations={self.experiment.iterations} x algo.ppo_epochs="
+                             f"{self.algo.ppo_epochs} x algo.mini_batches={self.algo.mini_batches}); expected at most "
+                             f"{self.optimizer_steps}, or a trainer.optimizer.total_steps that holds the warm-up")
+        if self.task.name == "scored" and self.data.enabled and self.data.label_key is None:
+            raise ValueError("task.name=scored hands each row's label to compute_score as ground_truth, but "
+                             "data.label_key=null; name the column of your labels")
         if self.task.name == "scored" and not self.data.enabled:
             raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
                              "the files (jsonl) of your prompts and labels")
@@ -260,6 +284,11 @@ class RunConfig:
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
         self._check_pool()
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: the lr schedule's horizon unless trainer.optimizer.total_steps."""
+        return self.experiment.iterations * self.algo.ppo_epochs * self.algo.mini_batches
 
     @property
     def has_host_pool(self) -> bool:

@@ -122,6 +122,54 @@ def _read_records(path: str) -> list[tuple[str, dict]]:
                      f"`datasets.save_to_disk` directory")
 
 
+def _first_columns(path: str) -> tuple[str, list[str]]:
+    """(where, column names) of `path`'s first record (jsonl) or its schema (parquet, datasets directory),
+    without reading the rest: the composition-time check of a data file."""
+    if not os.path.isdir(path) and path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}, line {n}: not JSON ({err})") from None
+                    if not isinstance(record, dict):
+                        raise ValueError(f"{path}, line {n}: {type(record).__name__}, expected a JSON object")
+                    return f"{path}, line {n}", list(record)
+        raise ValueError(f"data file {path!r} holds no records, expected one JSON object per line")
+    if not os.path.isdir(path) and path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"data file {path!r} is parquet: install pyarrow to read it") from None
+        return f"{path} (schema)", list(pq.read_schema(path).names)
+    return f"{path} (features)", [name for _, row in _read_records(path)[:1] for name in row]
+
+
+def check_files(config: DataConfig) -> None:
+    """Composition-time check of every data file: it exists, its format is readable, and its first
+    record (its schema for parquet and datasets directories) has the prompt, label and extra columns.
+    A later record lacking one is reported by `load_rows` (the run's build, before anything is written)."""
+    for key in ("train_files", "val_files"):
+        missing = [f for f in getattr(config, key) if not os.path.exists(f)]
+        if missing:
+            raise ValueError(f"data.{key}: {missing} do not exist (relative paths are from the current directory, "
+                             f"{os.getcwd()}); expected .jsonl or .parquet files or `datasets.save_to_disk` "
+                             f"directories")
+        for path in getattr(config, key):
+            if not (os.path.isdir(path) or path.endswith((".jsonl", ".parquet"))):
+                raise ValueError(f"data.{key}: {path!r} has an unknown extension, expected .jsonl, .parquet or a "
+                                 f"`datasets.save_to_disk` directory")
+            where, columns = _first_columns(path)
+            wanted = {"data.prompt_key": config.prompt_key, "data.label_key": config.label_key}
+            wanted |= {f"data.extra_keys[{i}]": k for i, k in enumerate(config.extra_keys)}
+            for name, column in wanted.items():
+                if column is not None and column not in columns:
+                    raise ValueError(f"{name}={column!r}, but {where} has no such key (it has {sorted(columns)})"
+                                     + ("; set data.label_key=null if your rows have no label"
+                                        if name == "data.label_key" else ""))
+
+
 def _check_prompt(where: str, key: str, prompt: object) -> None:
     if isinstance(prompt, str):
         return

@@ -37,8 +37,8 @@ from models.config import ModelConfig
 from models.model import HybridLM
 from models.precision import DTYPES, cast_parameters, dtype_name
 from models.tokenizer import load_tokenizer
-from rl.config import (NO_DEFAULT, RunConfig, register_configs, schema_default, to_run_config, upgrade_overrides,
-                       upgrade_stored_config)
+from rl.config import (NO_DEFAULT, RunConfig, compose_run_config, register_configs, schema_default, to_run_config,
+                       upgrade_overrides, upgrade_stored_config)
 from rl.checkpoint import RUN_CONFIG, check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.orchestrator import LoopParts, run_loop
 from rl.ranks import Ranks, init_ranks, shutdown
@@ -186,8 +186,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
         engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer
     # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
-    total_steps = cfg.experiment.iterations * cfg.algo.ppo_epochs * cfg.algo.mini_batches
-    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=total_steps)
+    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
@@ -405,8 +404,21 @@ def _sweep_run_dir(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def precheck(argv: list[str]) -> None:
+    """Compose and validate the run config of `argv` before Hydra's main writes anything (its .hydra/
+    record and train.log in run_dir): a bad value exits with its error and leaves no directory behind.
+    Sweeps (-m) and Hydra's own flags are checked by main, job by job."""
+    if any(a.startswith("-") for a in argv):
+        return
+    try:
+        compose_run_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+    except Exception as err:  # every config error, whatever its type: shown without a traceback
+        sys.exit(f"error: {type(err).__name__}: {err}")
+
+
 if __name__ == "__main__":
     sys.argv[1:] = upgrade_overrides(sys.argv[1:])  # renamed keys still work for one release, with a warning
+    precheck(sys.argv[1:])
     if int(os.environ.get("RANK", "0")) > 0:
         # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]

@@ -27,25 +27,37 @@ def test_chat_prompts_and_no_label(tmp_path):
     assert rows == [{"prompt": messages, "label": None}]
 
 
-def test_parquet_and_dataset_directories_need_their_library(tmp_path):
-    for name, library in (("a.parquet", "pyarrow"), ("saved", "datasets")):
-        try:
-            __import__(library)
-            continue  # installed: the format is read (no test data writer here without it)
-        except ImportError:
-            pass
+def test_jsonl_parquet_and_dataset_directories_give_the_same_rows(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    records = [{"question": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1), "source": "s",
+                "unused": i} for i in range(4)]
+    config = DataConfig(train_files=["x"], prompt_key="question", label_key="answer", extra_keys=["source"])
+    jsonl = write_jsonl(tmp_path / "a.jsonl", records)
+    parquet = str(tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(records), parquet)
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_list(records).save_to_disk(saved)
+    expected = [{"prompt": r["question"], "label": r["answer"], "source": "s"} for r in records]
+    for path in (jsonl, parquet, saved):
+        assert load_rows([path], config).rows == expected, path
+    assert load_rows([jsonl, parquet], config).rows == expected + expected
+    datasets.DatasetDict(train=datasets.Dataset.from_list(records)).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"holds splits \['train'\].*splits/<split>"):
+        load_rows([str(tmp_path / "splits")], config)
+    pq.write_table(pa.Table.from_pylist([{"question": "q"}]), str(tmp_path / "b.parquet"))
+    with pytest.raises(ValueError, match=r"b\.parquet, row 0: no key 'answer'"):
+        load_rows([str(tmp_path / "b.parquet")], config)
+
+
+def test_parquet_and_dataset_directories_name_their_missing_library(tmp_path, monkeypatch):
+    for name, library in (("a.parquet", "pyarrow.parquet"), ("saved", "datasets")):
+        monkeypatch.setitem(__import__("sys").modules, library, None)  # import fails as if not installed
         path = tmp_path / name
         path.mkdir() if name == "saved" else path.write_bytes(b"PAR1")
-        with pytest.raises(ValueError, match=library):
+        with pytest.raises(ValueError, match=library.split(".")[0]):
             load_rows([str(path)], DataConfig(train_files=[str(path)]))
-
-
-def test_parquet_round_trip_when_pyarrow_is_installed(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-    path = str(tmp_path / "a.parquet")
-    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "label": "1"}]), path)
-    assert load_rows([path], DataConfig(train_files=[path])).rows == [{"prompt": "p", "label": "1"}]
 
 
 def test_load_errors_name_the_file_row_and_key(tmp_path):
