@@ -42,7 +42,8 @@ class TokenizerConfig:
     system_prompt: str | None = None
     """A system message put before every conversation that does not start with one."""
     stop_strings: list[str] = field(default_factory=list)
-    """Texts that end an answer, besides the stop token ids (the caller matches them on decoded text)."""
+    """Texts that end an answer, besides the stop token ids: generation stops once one is decoded, and the
+    environment gets the answer cut before it (the tokens stay: the trainer scores what was sampled)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -93,15 +94,27 @@ def _with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return list(messages)
 
 
+class AnswerText:
+    """`answer_text`, shared by the tokenizers (each defines `decode` and `stop_strings`)."""
+
+    def answer_text(self, ids: list[int]) -> str:
+        """The text of a generated answer as the environment sees it: decoded, cut before the first stop
+        string (vLLM's default; the tokens, stop string included, stay what the trainer scores)."""
+        text = self.decode(ids)
+        cuts = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        return text[:min(cuts)] if cuts else text
+
+
 @dataclass(frozen=True)
-class ByteTokenizer:
+class ByteTokenizer(AnswerText):
     bos_token_id: int = 256
     eos_token_id: int = 257
     pad_token_id: int = 258
     system_prompt: str | None = None
     """Prepended (plain format) by `render`."""
     stop_strings: tuple[str, ...] = ()
-    """Texts that end an answer; the caller matches them on decoded text."""
+    """Texts that end an answer: generation stops once one is decoded (`SamplingParams.stop_strings`)
+    and `answer_text` cuts before it."""
 
     @property
     def vocab_size(self) -> int:
@@ -133,7 +146,7 @@ class ByteTokenizer:
 
 
 @dataclass(frozen=True)
-class HFTokenizer:
+class HFTokenizer(AnswerText):
     """Adapter giving a Hugging Face tokenizer the ByteTokenizer interface.
 
     Special ids are the wrapped tokenizer's (None where it defines no such token); `vocab_size`
@@ -147,7 +160,8 @@ class HFTokenizer:
     system_prompt: str | None = None
     """Put first by `render` when a conversation does not start with a system message."""
     stop_strings: tuple[str, ...] = ()
-    """Texts that end an answer; the caller matches them on decoded text."""
+    """Texts that end an answer: generation stops once one is decoded (`SamplingParams.stop_strings`)
+    and `answer_text` cuts before it."""
     generation_eos_ids: tuple[int, ...] = ()
     """The directory's generation_config.json `eos_token_id` (int or list), () without one."""
 

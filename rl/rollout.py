@@ -197,7 +197,7 @@ class RolloutDriver:
         self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
         # the tokenizer's stop ids (eos, generation_config.json's, the chat template's end of turn) end answers
         self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
-                         "stop_token_ids": tuple(tokenizer.stop_token_ids)}
+                         "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
         self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
         self.partial_resume, self.env_timeout_s = config.partial_resume, config.env_timeout_s
         self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
@@ -289,7 +289,7 @@ class RolloutDriver:
         """Score the finished turn; True when another turn follows."""
         eos = self.engine.model.config.eos_token_id
         try:
-            answer = self._tokenizer_call(self.tokenizer.decode, [t for t in traj.tokens[traj.turn_start:] if t != eos])
+            answer = self._tokenizer_call(self.tokenizer.answer_text, [t for t in traj.tokens[traj.turn_start:] if t != eos])
             env = self._env(traj)
             result = self._env_call("step", env.step, answer)
             try:

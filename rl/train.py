@@ -180,18 +180,18 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     # off (the tracker shows the rollout's).
     prefix = cfg.engine.prefix_cache  # rollout.reuse_stale_prefix: its entries outlive a weight update
     prefix = replace(prefix, reuse_stale=True) if prefix is not None and cfg.rollout.reuse_stale_prefix else prefix
-    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False, prefix_cache=prefix),
-                    ledger=ledger)
-    if cfg.memory.spill_dir is not None and engine.host is not None:
-        engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
-    t = cfg.trainer
-    # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
-    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
                          f"vocab_size is {cfg.model.vocab_size}: ids past it have no embedding; expected a tokenizer "
                          f"of at most {cfg.model.vocab_size} tokens (or a model config that matches it)")
+    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False, prefix_cache=prefix),
+                    ledger=ledger, detokenize=tokenizer.decode)  # decode: tokenizer.stop_strings end answers
+    if cfg.memory.spill_dir is not None and engine.host is not None:
+        engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
+    t = cfg.trainer
+    # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
+    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
     if ranks.world > 1 and cfg.algo.mini_batches > 1:
         raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} with {ranks.world} ranks: each mini-batch is "
                          f"normalised by its own counts, which needs one rank for now; expected algo.mini_batches=1 "

@@ -171,7 +171,7 @@ class _Episodes:
         s.num_generated += len(tokens)
         eos = self.engine.model.config.eos_token_id
         try:
-            answer = self.tokenizer.decode([t for t in tokens if t != eos])
+            answer = self.tokenizer.answer_text([t for t in tokens if t != eos])
             result = call_with_timeout(lambda: s.env.step(answer), self.env_timeout_s, "step")
             reward = float(result.reward)
             if not math.isfinite(reward):
@@ -245,7 +245,7 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
     t0 = time.perf_counter()
     max_new = config.max_new_tokens if config.max_new_tokens is not None else rollout_max_new_tokens
     sampling = {"max_new_tokens": max_new, "temperature": config.temperature, "top_p": config.top_p,
-                "stop_token_ids": tuple(tokenizer.stop_token_ids)}
+                "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
     episodes = _Episodes(engine, tokenizer, sampling, seed, env_timeout_s)
     prompts: list[tuple[int, str | list[dict], list[_Sample]]] = []
     dispatcher = Dispatcher(engine, ThrottleConfig())

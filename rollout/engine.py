@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -80,8 +81,11 @@ class _SamplePlan:
 
 
 class Engine:
-    def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None) -> None:
+    def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.config = config = config or EngineConfig()
+        self.detokenize = detokenize
+        """Token ids -> text, for requests with `SamplingParams.stop_strings` (None: such requests are refused)."""
         self.model = model.eval()
         dtype = model.output_weight.dtype  # the MLA cache holds latents in the model's dtype
         self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype,
@@ -140,6 +144,9 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one token")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop_strings and self.detokenize is None:
+            raise ValueError(f"stop_strings={list(params.stop_strings)!r} need text: build the Engine with "
+                             f"detokenize= (the tokenizer's decode)")
         self.check_context(len(prompt))
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -343,10 +350,17 @@ class Engine:
         seq.logprobs.append(logprob)
         seq.versions.append(self.policy_version if seq.kv_version is None else min(self.policy_version, seq.kv_version))
         p, eos = seq.params, self.model.config.eos_token_id
-        if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
+        if token in p.stop_token_ids or (token == eos and not p.ignore_eos) or (p.stop_strings and self._hit_stop(seq)):
             self.scheduler.finish(seq, "stop")
         elif seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        """Whether the newest token completed one of the request's stop strings: the last
+        `stop_window` generated tokens' text holds one (an earlier completion already stopped it)."""
+        start = max(seq.prompt_len, len(seq.tokens) - seq.params.stop_window)
+        text = self.detokenize(seq.tokens[start:])
+        return any(s in text for s in seq.params.stop_strings)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

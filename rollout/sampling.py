@@ -36,6 +36,10 @@ class SamplingParams:
     """Tokens that end generation (finish reason "stop"), in addition to the model's eos."""
     ignore_eos: bool = False
     """Keep generating past eos (benchmarks)."""
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    """Texts that end generation (finish reason "stop") once the decoded new tokens contain one; the
+    token completing it is kept (token-in/token-out: what was sampled is what the trainer scores).
+    Needs the engine's `detokenize`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -49,6 +53,15 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r}, expected an integer >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings={self.stop_strings!r}, expected non-empty strings")
+
+    @property
+    def stop_window(self) -> int:
+        """Tokens decoded to look for a stop string after each new token: one per UTF-8 byte of the
+        longest (a token holds at least one byte) plus a few for tokens that decode to nothing."""
+        return max((len(s.encode()) for s in self.stop_strings), default=0) + 4
 
 
 @dataclass

@@ -133,6 +133,14 @@ def test_hf_encode_decode_round_trip(chat_dir):
     assert tok.decode(answer[len(tok.render([{"role": "user", "content": "q"}])):]) == "seven"
 
 
+def test_answer_text_is_cut_before_the_first_stop_string(chat_dir):
+    for tok in (load_tokenizer(TokenizerConfig(path=str(chat_dir), stop_strings=["</answer>", "\n\n"])),
+                load_tokenizer(TokenizerConfig(path="byte", stop_strings=["</answer>", "\n\n"]))):
+        ids = tok.encode("<answer>42\n\n7</answer> more", add_bos=False)
+        assert tok.answer_text(ids) == "<answer>42"
+        assert tok.answer_text(tok.encode("no stop here", add_bos=False)) == "no stop here"
+
+
 def test_byte_tokenizer_has_the_same_methods():
     tok = load_tokenizer(TokenizerConfig(path="byte", system_prompt="sys: ", stop_strings=["\n"]))
     assert tok == ByteTokenizer(system_prompt="sys: ", stop_strings=("\n",))

@@ -193,3 +193,30 @@ def test_max_groups_in_flight_bounds_the_carry_over():
     assert max(capped) <= 2, capped
     with pytest.raises(ValueError, match="max_groups_in_flight=0"):
         DriverConfig(max_groups_in_flight=0)
+
+
+def test_stop_strings_cut_answers_at_the_token_that_completes_them():
+    free = driver(max_new_tokens=12)
+    free.engine.load_weights(free.engine.model.state_dict(), version=1)
+    free.run_iteration()
+    generated = [[tok for tok, p in zip(t.tokens, t.policy) if p] for g in free.take_finished_groups() for t in g]
+    printable = [c for c in range(33, 127) if any(c in g[:-1] for g in generated)]
+    stop = chr(max(printable, key=lambda c: sum(c in g for g in generated)))  # the most common printable byte
+
+    e = engine()
+    tok = ByteTokenizer(stop_strings=(stop,))
+    e.detokenize = tok.decode
+    d = RolloutDriver(e, tok, "majority_digit", {"length": 3}, DriverConfig(groups_per_iteration=3, max_new_tokens=12),
+                      group_size=4, seed=1)
+    e.load_weights(e.model.state_dict(), version=1)
+    d.run_iteration()
+    trajs = [t for g in d.take_finished_groups() for t in g]
+    cut = 0
+    for t in trajs:
+        check_trajectory(t, 12)
+        answer_tokens = [tok_ for tok_, p in zip(t.tokens, t.policy) if p]
+        if ord(stop) in answer_tokens:  # it ended at the stop string's first completion; the text stops before it
+            assert answer_tokens.index(ord(stop)) == len(answer_tokens) - 1
+            cut += 1
+        assert t.answers[0] == tok.decode(answer_tokens).split(stop)[0]
+    assert cut >= 1

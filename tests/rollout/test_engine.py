@@ -108,6 +108,42 @@ def test_generation_stops_at_max_model_len_and_eos(tiny_model):
     assert out.samples[0].tokens == [first] and out.samples[0].finish_reason == "stop"
 
 
+def test_stop_strings_end_generation_at_the_token_that_completes_them(tiny_model):
+    letters = "abcdefghij"  # a toy detokenizer: id -> one letter, so the greedy text is known exactly
+
+    def detokenize(ids):
+        return "".join(letters[i % 10] for i in ids)
+
+    prompts = [[7, 8, 9], [3, 1, 4, 1, 5]]
+    free = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    expected = []
+    for prompt in prompts:
+        tokens = greedy_reference(tiny_model, prompt, 24)[0]
+        text = detokenize(tokens)
+        stop = text[5:8]  # a 3-letter stop string: generation ends at its first completion
+        end = text.index(stop) + len(stop)
+        expected.append((stop, tokens[:end]))
+    engine = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=64, show_progress=False),
+                    detokenize=detokenize)
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True,
+                                                    stop_strings=(stop, "zz")) for stop, _ in expected])
+    for out, (_, tokens) in zip(outs, expected):
+        assert out.samples[0].tokens == tokens and out.samples[0].finish_reason == "stop"
+    # only generated tokens are looked at: a stop string spanning the prompt's end and the first
+    # generated token (absent from the generated text) does not stop the request
+    across = detokenize(prompts[0])[-1] + detokenize(expected[0][1])[0]
+    assert across not in detokenize(greedy_reference(tiny_model, prompts[0], 24)[0])
+    (out,) = engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True,
+                                                          stop_strings=(across,)))
+    assert len(out.samples[0].tokens) == 4 and out.samples[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="stop_strings=\\['x'\\] need text"):
+        Engine(tiny_model, EngineConfig(num_pages=16, max_model_len=64, show_progress=False)).add_request(
+            [1, 2], SamplingParams(stop_strings=("x",)))
+    with pytest.raises(ValueError, match="stop_strings=.*expected non-empty strings"):
+        SamplingParams(stop_strings=("",))
+    assert free.stop_strings == ()
+
+
 def test_pause_resume_sleep_wake_and_weight_update(tiny_model):
     engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=128, show_progress=False,
                                              check_every_step=True))
