@@ -294,7 +294,10 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         # iteration (whose metrics the resume then replaces), never a published iteration without
         # its metrics. (The checkpoint's own seconds are in phases.jsonl.)
         p.tracker.log(it, metrics)
-        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1,
+        # data.epochs used up and every group trained: this iteration is the run's last (saved as such)
+        # the flag is the same on every rank (one global row order); so is this sum
+        exhausted = p.driver.data_exhausted and not p.ranks.sum([len(p.driver.carry) + len(p.driver.group_sizes)])[0]
+        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1 or exhausted,
                                                             fault=phases.fault))
         phases.run(it, "offload", lambda: _offload_train_state(p),
                    bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
@@ -312,11 +315,9 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         history.append(metrics)
         idle = 0 if metrics["groups_trained"] or metrics["trajectories_carried"] else idle + 1
         _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
-        if p.driver.data_exhausted:  # the same on every rank (one global row order); so is this sum
-            pending = p.ranks.sum([len(p.driver.carry) + len(p.driver.group_sizes)])[0]
-            if not pending:
-                p.tracker.console.print(f"data exhausted after iteration {it} (data.epochs): every group trained")
-                break
+        if exhausted:
+            p.tracker.console.print(f"data exhausted after iteration {it} (data.epochs): every group trained")
+            break
     return history
 
 

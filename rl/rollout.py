@@ -380,6 +380,11 @@ class RolloutDriver:
             group, self.next_group = self.next_group, self.next_group + 1
             if group % self.world == self.rank:  # else another rank's share
                 self._start_group(dispatcher, group, row_index, stats)
+        if self.rows is not None and not self.data_exhausted:
+            try:  # the last row just started: say so now, so the run can end with this iteration
+                self.rows[self.rows.position]
+            except DataExhausted:
+                self.data_exhausted = True
         t0, generated_before = time.perf_counter(), self.engine.num_generated
         counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
 

@@ -60,8 +60,9 @@ def test_data_reward_tokenizer_train_resume_export(tmp_path):
 
 
 def test_the_run_ends_when_its_data_is_exhausted(tmp_path):
-    """data.epochs=1 over 8 rows at 2 groups per iteration: 4 iterations train every row once; the
-    fifth finds no row left and the run stops (and says so) however many iterations were asked for."""
+    """data.epochs=1 over 8 rows at 2 groups per iteration: 4 iterations train every row once and the
+    run stops after the fourth (no empty fifth), however many iterations were asked for, saving the
+    fourth as its last checkpoint whatever checkpoint.every says."""
     with open(tmp_path / "train.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n")
@@ -70,5 +71,6 @@ def test_the_run_ends_when_its_data_is_exhausted(tmp_path):
                            f"task.params.reward_path={tmp_path / 'reward.py'}", "data.epochs=1",
                            "rollout.groups_per_iteration=2", "algo.group_size=2", "rollout.max_new_tokens=2",
                            "experiment.iterations=20", "tracking.wandb_mode=disabled", "tracking.progress=false",
-                           "tracking.plots=false", f"run_dir={tmp_path / 'run'}"))
-    assert len(history) == 5 and sum(h["groups_trained"] for h in history) == 8 and not history[-1]["groups_trained"]
+                           "tracking.plots=false", "checkpoint.every=10", f"run_dir={tmp_path / 'run'}"))
+    assert len(history) == 4 and all(h["groups_trained"] == 2 for h in history)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("iter_*")) == ["iter_000000", "iter_000003"]

@@ -144,3 +144,6 @@ def test_data_exhausted_stops_new_groups(reward_path):
     assert not d.data_exhausted and d.next_group == 4
     d.run_iteration()
     assert d.data_exhausted and d.next_group == 5 and d.rows.position == 5
+    exact = driver(reward_path, RowSampler(ROWS, seed=0, epochs=1), groups_per_iteration=5)
+    exact.run_iteration()  # the last row started: known at once, so the run needs no empty iteration
+    assert exact.data_exhausted and exact.next_group == 5
