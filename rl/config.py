@@ -356,22 +356,22 @@ def schema_default(path: str) -> Any:
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _writable(node: Any) -> None:
+def writable(node: Any) -> None:
     """Clear the read-only flag frozen dataclasses put on their nodes (composition must write
     into them; the frozen objects are built afterwards by `to_run_config`)."""
     node._set_flag("readonly", None)
     if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
         for key in node.keys():
-            _writable(node._get_node(key))
+            writable(node._get_node(key))
     elif isinstance(node, ListConfig) and not node._is_missing() and not node._is_none():
         for i in range(len(node)):
-            _writable(node._get_node(i))
+            writable(node._get_node(i))
 
 
 def register_configs() -> None:
     """Put the schema in Hydra's ConfigStore as `base_config` (the first entry of configs/config.yaml)."""
     node = OmegaConf.structured(RunConfig)
-    _writable(node)
+    writable(node)
     ConfigStore.instance().store(name="base_config", node=node)
 
 

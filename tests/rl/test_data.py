@@ -126,3 +126,23 @@ def test_sampler_resume_continues_the_epoch_and_stops_after_the_last():
     assert b.position == 10
     with pytest.raises(ValueError, match="index"):
         b.load_state_dict({"epoch": 0, "index": 5})
+
+
+def test_the_data_command_previews_each_split_and_scores_the_labels(tmp_path, monkeypatch, capsys):
+    from rl.data.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "train.jsonl", [{"q": f"{i}+1", "a": str(i + 1)} for i in range(5)])
+    write_jsonl(tmp_path / "val.jsonl", [{"q": "9+1", "a": "10"}])
+    (tmp_path / "reward.py").write_text("def compute_score(solution_str, ground_truth, extra_info=None):\n"
+                                        "    return float(solution_str == ground_truth and ground_truth != '3')\n")
+    args = ["experiment=single_turn", "task=scored", "data.train_files=[train.jsonl]", "data.val_files=[val.jsonl]",
+            "data.prompt_key=q", "data.label_key=a", "task.params.reward_path=reward.py", "data.max_prompt_tokens=4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # byte tokenizer: bos + the text; "0+1".."4+1" are 4 tokens, "9+1" too; label "3" scores 0 (1 row in 5)
+    assert "rows=5  dropped_too_long=0  prompt_tokens_min=4" in out and "reward_of_label_as_answer=0.8" in out
+    assert "val: val.jsonl" in out and "| 9+1" in out and "its label: '10'" in out
+    assert main([*args, "data.max_prompt_tokens=3"]) == 2
+    assert "no rows in ['train.jsonl'] (5 longer than max_prompt_tokens=3)" in capsys.readouterr().err
+    assert main(["experiment=single_turn"]) == 2
+    assert "data.train_files and data.val_files are empty" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from models.checkpoint import load_checkpoint
+from rl.evaluate import main as evaluate_main
 from rl.export.cli import main as export_main
 from rl.train import run
 from tests.models.conftest import rel_err
@@ -49,6 +50,14 @@ def test_data_reward_tokenizer_train_resume_export(tmp_path):
     assert (tmp_path / "run" / "val" / "iter_1.jsonl").exists()
     more = run(composed(*args, "experiment.iterations=4", "resume=true"))
     assert len(more) == 1  # iteration 3 only: the resume continued after the last checkpoint
+    # a checkpoint evaluated on its own equals the run's evaluation of the same weights (iteration 2's
+    # update is what the resumed iteration 3's evaluation saw): the same generations, rewards and metrics
+    assert evaluate_main([f"run_dir={tmp_path / 'run'}", "iteration=2", f"out={tmp_path / 'eval'}"]) == 0
+    alone = [json.loads(line) for line in (tmp_path / "eval" / "val" / "iter_2.jsonl").read_text().splitlines()]
+    in_run = [json.loads(line) for line in (tmp_path / "run" / "val" / "iter_3.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in alone] == [r["samples"] for r in in_run] and len(alone) == 4
+    metrics = json.loads((tmp_path / "eval" / "metrics_iter_2.json").read_text())
+    assert metrics["val/pass@2"] == more[0]["val/pass@2"] and metrics["val/reward_mean"] == more[0]["val/reward_mean"]
     out = tmp_path / "export"
     assert export_main([f"run_dir={tmp_path / 'run'}", "dtype=fp32", f"out={out}"]) == 0
     assert AutoTokenizer.from_pretrained(out).chat_template  # the run's tokenizer travels with the export

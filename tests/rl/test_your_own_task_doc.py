@@ -1,39 +1,63 @@
-"""Every `python -m rl.train` command of docs/your_own_task.md composes (keys and values valid), and
-the export command's arguments parse; the steps themselves run in tests/rl/test_first_day.py."""
+"""docs/your_own_task.md runs as written: every command of its ```bash blocks, in order, in a fresh
+directory holding the files it names (train.jsonl, val.jsonl, reward.py, a tokenizer directory),
+each a real `python -m ...` process; the training commands get small sizes appended (2 groups of 2,
+3 new tokens, 2 validation prompts) and nothing else changes."""
+import json
+import os
+import random
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
-from rl.export.cli import parse_args
-from tests.rl.test_config import composed
+import pytest
+
 from tests.tokenizer_dirs import build_bpe_tokenizer
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "your_own_task.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "your_own_task.md"
+SMALL = ["rollout.groups_per_iteration=2", "algo.group_size=2", "rollout.max_new_tokens=3", "eval.num_prompts=2",
+         "tracking.wandb_mode=disabled", "tracking.progress=false", "tracking.plots=false", "experiment.num_threads=1"]
 
 
-def commands(prefix: str) -> list[list[str]]:
-    text = DOC.read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    joined = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
-    return [shlex.split(line)[len(prefix.split()):] for line in joined if line.startswith(prefix)]
+def commands() -> list[list[str]]:
+    """The page's shell commands, continuation lines joined, in order."""
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    return [shlex.split(line) for block in blocks for line in block.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_the_train_commands_compose(tmp_path):
-    """The files the commands name are made here (a jsonl, a tokenizer directory): composition checks
-    that they exist."""
-    train = commands("python -m rl.train")
-    assert len(train) == 2
-    (tmp_path / "train.jsonl").write_text('{"prompt": "What is 2+3?", "label": "5"}\n')
-    build_bpe_tokenizer(tmp_path / "my_tokenizer")
-    for args in train:
-        here = {"train.jsonl": str(tmp_path / "train.jsonl"), "my_tokenizer": str(tmp_path / "my_tokenizer")}
-        args = [a.replace("train.jsonl", here["train.jsonl"]).replace("my_tokenizer", here["my_tokenizer"]) for a in args]
-        cfg = composed(*args)
-        assert cfg.task.name == "scored" and cfg.algo.ppo_epochs == 2 and cfg.tokenizer.path.endswith("my_tokenizer")
-        assert cfg.trainer.optimizer.lr_schedule == "cosine"
+def write_user_files(where: Path) -> None:
+    rng = random.Random(0)
+    for name, count in (("train.jsonl", 16), ("val.jsonl", 4)):
+        with open(where / name, "w") as f:
+            for _ in range(count):
+                a, b = rng.randint(0, 4), rng.randint(0, 4)
+                f.write(json.dumps({"prompt": f"What is {a}+{b}?", "label": str(a + b), "level": 1}) + "\n")
+    reward = re.search(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)[1]  # the page's own reward.py
+    (where / "reward.py").write_text(reward)
+    build_bpe_tokenizer(where / "my_tokenizer")
 
 
-def test_the_export_command_parses():
-    (export,) = commands("python -m rl.export")
-    options = parse_args(export)
-    assert options.dtype == "bf16" and options.out == "exports/my_task" and options.max_shard_size == "5GB"
+@pytest.mark.slow
+def test_every_command_of_the_page_runs(tmp_path):
+    write_user_files(tmp_path)
+    cmds = commands()
+    modules = [c[2] for c in cmds]
+    assert modules == ["rl.data", "rl.train", "rl.train", "rl.evaluate", "rl.export"], modules
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    outputs = {}
+    for cmd in cmds:
+        assert cmd[:2] == ["python", "-m"]
+        args = cmd[3:] + (SMALL if cmd[2] == "rl.train" else [])
+        done = subprocess.run([sys.executable, "-m", cmd[2], *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        outputs.setdefault(cmd[2], []).append(done.stdout)
+    assert "train: train.jsonl" in outputs["rl.data"][0] and "reward_of_label_as_answer=1" in outputs["rl.data"][0]
+    assert "rows=16" in outputs["rl.data"][0] and "rows=4" in outputs["rl.data"][0]
+    run = tmp_path / "runs" / "my_task"
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*"))[-1] == "iter_000003"  # resumed: 4 in all
+    assert (run / "evaluate" / "metrics_iter_3.json").exists() and "val/pass@1" in outputs["rl.evaluate"][0]
+    assert (tmp_path / "exports" / "my_task" / "config.json").exists()

@@ -266,3 +266,4 @@ class RowSampler:
             raise ValueError(f"sampler state {state}, expected epoch >= 0 and 0 <= index < {len(self.rows)} rows "
                              f"(did the data files change?)")
         self.position = state["epoch"] * len(self.rows) + state["index"]
+
