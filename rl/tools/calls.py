@@ -87,6 +87,8 @@ def _check_tags(open_tag: str, close_tag: str) -> None:
     for key, tag in (("open_tag", open_tag), ("close_tag", close_tag)):
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"{key} must be a non-empty string, got {tag!r}")
+    if open_tag == close_tag:  # a span ends at the first close tag, unless an open tag comes first
+        raise ValueError(f"open_tag and close_tag are both {open_tag!r}, expected two different tags")
 
 
 @dataclass(frozen=True)

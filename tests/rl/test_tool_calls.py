@@ -161,6 +161,8 @@ def test_parser_registry_names_and_options():
         make_parser("json_tags", arg_key="code")
     with pytest.raises(ValueError, match="close_tag must be a non-empty string, got ''"):
         make_parser("json_tags", close_tag="")
+    with pytest.raises(ValueError, match="open_tag and close_tag are both '```', expected two different tags"):
+        make_parser("python_tag", open_tag="```", close_tag="```")
     with pytest.raises(ValueError, match="arg_key must be a non-empty string"):
         make_parser("python_tag", arg_key="")
     with pytest.raises(ValueError, match="'json_tags' is already registered"):
