@@ -1,15 +1,11 @@
 """Run untrusted, model-written Python in a separate, locked-down process.
 
-`Sandbox.run(code, stdin)` hands the code to a WARM worker: a `python -I -S` process started ahead of time
-that has applied its isolation (empty working dir, no inherited environment, rlimits, network and mount
-namespaces, uid nobody when root, an audit hook) and blocks reading one job from stdin. It runs that job
-and exits; the pool starts a replacement at once, so no state leaks between jobs and interpreter start-up
-is off the caller's path. `run` caps the output, kills the whole process group at the wall-time limit,
-removes the working dir, and always returns an `ExecResult` naming why the job ended.
-
-Isolation is applied inside the worker (`_RUNNER`), not in a `preexec_fn`: `run` is called from many
-threads and CPython documents `preexec_fn` as unsafe in a threaded parent (the child can deadlock before
-exec). What each layer does and does not stop: docs/sandbox.md."""
+`Sandbox.run(code, stdin)` hands the code to a WARM worker, a `python -I -S` process started ahead of time
+that has applied its isolation and blocks reading one job from stdin; it runs that one job and exits, and
+the pool starts a replacement at once (no state leaks between jobs; start-up is off the caller's path).
+`run` caps the output, kills the process group at the wall-time limit, removes the working dir, and always
+returns an `ExecResult` naming why the job ended. The layers, and what each does not stop: docs/sandbox.md."""
+import contextlib
 import json
 import os
 import select
@@ -30,13 +26,12 @@ MEMORY_EXIT = 86  # the runner's exit code for an uncaught MemoryError (a job's 
 NUM_FILES = 64  # RLIMIT_NOFILE inside the worker
 READY_TIMEOUT_S = 60.0  # a worker that has not finished its set-up by then is a start failure
 
-# The worker's script, run as `python -I -S -c _RUNNER SPEC_JSON` in its empty working dir. Order matters:
-# namespaces and mounts need root, so they come first; then rlimits (set while still root, so that
-# RLIMIT_NPROC binds once the uid is nobody, which root would ignore); then the uid drop; then the
-# audit hook, last, because the set-up itself opens files and calls ctypes.
+# The worker's script (`python -I -S -c _RUNNER SPEC_JSON`). It isolates itself rather than via `preexec_fn`,
+# which CPython documents as unsafe in a threaded parent such as ours. Order matters: namespaces and mounts
+# (need root); rlimits (while root, so RLIMIT_NPROC binds once the uid is nobody; root ignores it); the uid
+# drop; the audit hook last, as the set-up itself opens files and calls ctypes.
 _RUNNER = r'''
 import ctypes, io, json, os, resource, sys, traceback
-
 
 def isolate(spec):
     notes, why = {}, {}
@@ -77,8 +72,7 @@ def isolate(spec):
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
-    notes["uid_dropped"] = os.getuid() != 0 if root else None  # None: not root, nothing to drop
-    notes["uid"] = os.getuid()
+    notes["uid_dropped"], notes["uid"] = (os.getuid() != 0 if root else None), os.getuid()  # None: not root
     notes["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS: exec never gains privileges
     for path in sys.path:
         if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
@@ -86,19 +80,16 @@ def isolate(spec):
     notes["why"] = why
     return notes
 
-
 def expose_python(call):
     """Cover each directory that hides Python's install from nobody (e.g. /root, mode 700) with an empty
     tmpfs, and bind-mount back, read-only, only the entry that leads to the install."""
     hidden = {}
     for path in [sys.prefix, sys.base_prefix, *sys.path]:
-        parts, path = [], os.path.realpath(path)
-        while path != "/":
-            path, name = os.path.split(path)
-            parts.append((path, name))
-        for parent, name in reversed(parts):
-            if os.path.isdir(parent) and not os.stat(parent).st_mode & 0o001:
-                hidden.setdefault(parent, set()).add(name)
+        path = os.path.realpath(path)
+        for i in [i for i, c in enumerate(path) if c == "/"]:  # "/", "/root", "/root/.pyenv", ...
+            parent = path[:i] or "/"
+            if os.path.isdir(parent) and not os.stat(parent).st_mode & 0o001:  # not searchable by others
+                hidden.setdefault(parent, set()).add(path[i + 1:].split("/")[0])
                 break
     for parent, names in hidden.items():
         fds = {name: os.open(os.path.join(parent, name), os.O_PATH) for name in names}
@@ -110,7 +101,6 @@ def expose_python(call):
             call("mount", None, target, None, 4096 | (1 << 14) | 32 | 1, None)  # ... | MS_REMOUNT | MS_RDONLY
             os.close(fd)
     return sorted(hidden)
-
 
 def install_hook(workdir):
     realpath, sep = os.path.realpath, os.sep
@@ -127,14 +117,12 @@ def install_hook(workdir):
 
     def under(path, roots):
         return any(path == r or path.startswith(r + sep) for r in roots)
-
     def where(path, follow):
         path = os.fsdecode(path)
         if not follow:  # the entry itself, not what a symlink there points to
             head, tail = os.path.split(os.path.abspath(path))
             return os.path.join(realpath(head), tail)
         return realpath(path)
-
     def hook(event, args):
         if event == "open":
             path, mode, flags = args
@@ -163,7 +151,6 @@ def install_hook(workdir):
 
     sys.addaudithook(hook)
 
-
 def main():
     spec = json.loads(sys.argv[1])
     notes = isolate(spec)
@@ -176,20 +163,15 @@ def main():
     os.write(1, b"READY " + json.dumps(notes).encode() + b"\n")
     job = json.loads(sys.stdin.buffer.read())
     sys.stdin, sys.argv = io.StringIO(job["stdin"]), ["<sandbox>"]
-    module = type(sys)("__main__")
-    sys.modules["__main__"] = module
+    sys.modules["__main__"] = module = type(sys)("__main__")  # the job's own, empty __main__
     try:
         exec(compile(job["code"], "<sandbox>", "exec"), module.__dict__)
     except MemoryError:
-        sys.stderr.write("MemoryError: the sandbox memory limit was reached\n")
-        sys.stderr.flush()
+        print("MemoryError: the sandbox memory limit was reached", file=sys.stderr, flush=True)
         os._exit(spec["memory_exit"])
-    except SystemExit:
-        raise
-    except BaseException:
+    except Exception:  # SystemExit passes through: the job's own exit code
         traceback.print_exc()
         sys.exit(1)
-
 
 main()
 '''
@@ -210,19 +192,18 @@ class SandboxConfig:
     audit_hook: bool = True  # the Python-level second line of defence; False only to test the OS layers
 
     def __post_init__(self):
-        for name in ("cpu_time_s", "wall_time_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"SandboxConfig.{name}={value!r}: expected a number of seconds > 0")
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        checks = [("cpu_time_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+                  ("wall_time_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+                  ("python", lambda v: isinstance(v, str) and os.access(v, os.X_OK), "an executable Python"),
+                  ("audit_hook", lambda v: isinstance(v, bool), "True or False")]
         for name, least in (("memory_mb", 32), ("max_output_bytes", 1), ("max_file_bytes", 0),
                             ("max_processes", 1), ("workers", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"SandboxConfig.{name}={value!r}: expected an int >= {least}")
-        if not isinstance(self.python, str) or not os.access(self.python, os.X_OK):
-            raise ValueError(f"SandboxConfig.python={self.python!r}: expected an executable Python interpreter")
-        if not isinstance(self.audit_hook, bool):
-            raise ValueError(f"SandboxConfig.audit_hook={self.audit_hook!r}: expected True or False")
+            checks.append((name, lambda v, least=least: integer(v) and v >= least, f"an int >= {least}"))
+        for name, good, expected in checks:
+            if not good(getattr(self, name)):
+                raise ValueError(f"SandboxConfig.{name}={getattr(self, name)!r}: expected {expected}")
 
 
 @dataclass
@@ -264,11 +245,8 @@ class PoolStats:
 class _Worker:
     proc: subprocess.Popen
     workdir: str
+    pid: int
     notes: dict = field(default_factory=dict)  # which isolation layers the worker applied
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def exited(self) -> bool:
         """True once the process has exited (it is left unreaped, so its process group stays valid)."""
@@ -305,8 +283,7 @@ class Sandbox:
         self._cond = threading.Condition()
         self._ready: deque[_Worker] = deque()
         self._busy: dict[int, _Worker] = {}
-        self._num_starting = 0
-        self._num_calls = self._num_started = self._num_cold = 0
+        self._num_starting = self._num_calls = self._num_started = self._num_cold = 0
         self._closed = False
         self._failure: str | None = None
         self.isolation: dict = {}  # the first worker's report of the layers it applied
@@ -328,7 +305,7 @@ class Sandbox:
         args = [cfg.python, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER, json.dumps(spec)]
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=workdir, env=env, start_new_session=True, close_fds=True)
-        worker = _Worker(proc, workdir)
+        worker = _Worker(proc, workdir, proc.pid)
         with self._cond:
             self._num_started += 1
         line = b""
@@ -396,7 +373,6 @@ class Sandbox:
                 if not worker.exited():
                     return worker
                 self._discard(worker)  # killed while waiting for a job
-        with self._cond:
             self._num_cold += 1
         worker = self._start_worker()
         self._note_isolation(worker.notes)
@@ -404,23 +380,17 @@ class Sandbox:
 
     def _discard(self, worker: _Worker) -> None:
         _kill_group(worker.pid)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
             worker.proc.wait(timeout=5.0)
-        except (subprocess.TimeoutExpired, ChildProcessError):
-            pass
         _kill_group(worker.pid, sweep=True)
         for pipe in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+            pipe.close()
         _remove_dir(worker.workdir)
 
     def run(self, code: str, stdin: str = "") -> ExecResult:
         """Run `code` (with `stdin` as its standard input) in a fresh worker; always returns a result."""
         if not isinstance(code, str) or not isinstance(stdin, str):
-            raise TypeError(f"Sandbox.run(code, stdin) takes strings, got {type(code).__name__}, "
-                            f"{type(stdin).__name__}")
+            raise TypeError(f"Sandbox.run(code, stdin) takes two str, got {type(code)}, {type(stdin)}")
         start = time.monotonic()
         worker = self._take()
         with self._cond:
@@ -435,11 +405,9 @@ class Sandbox:
     def _execute(self, worker: _Worker, code: str, stdin: str, start: float) -> ExecResult:
         proc = worker.proc
         deadline = time.monotonic() + self.config.wall_time_s
-        try:
+        with contextlib.suppress(OSError):  # a worker dead before reading its job: its exit status says how
             proc.stdin.write(json.dumps({"code": code, "stdin": stdin}).encode())
             proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # the worker died before reading its job; its exit status says how
         out, err, stopped = self._collect(worker, deadline)
         _kill_group(proc.pid)  # leftovers of a job that exited with children still running
         _, status, usage = os.wait4(proc.pid, 0)
@@ -454,8 +422,8 @@ class Sandbox:
     def _classify(self, exit_code: int, cpu_s: float) -> str:
         if exit_code == 0:
             return "ok"
-        if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_s >= self.config.cpu_time_s):
-            return "cpu_limit"  # soft limit: SIGXCPU; hard limit (one second later): SIGKILL
+        if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_s >= self.config.cpu_time_s + 1):
+            return "cpu_limit"  # soft limit: SIGXCPU; hard limit (one second later, if SIGXCPU is caught): SIGKILL
         if exit_code == -signal.SIGKILL:
             return "killed"
         if exit_code < 0:
