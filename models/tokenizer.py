@@ -135,9 +135,11 @@ class ByteTokenizer(AnswerText):
         """Bytes to text; special ids are dropped and invalid UTF-8 becomes U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+               ) -> list[int]:
         """The conversation in the plain format: bos, then the contents concatenated (system prompt
-        first when configured); `add_generation_prompt` adds nothing here."""
+        first when configured); `add_generation_prompt` and `tools` add nothing here (the task's own
+        prompt says how to call its tools)."""
         return self.encode("".join(m["content"] for m in _with_system(messages, self.system_prompt)))
 
     def continue_turn(self, text: str, role: str = "user") -> list[int]:
@@ -197,23 +199,27 @@ class HFTokenizer(AnswerText):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ---- conversations ---------------------------------------------------------------------------------
-    def _template_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _template_text(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  tools=tools)
 
     def _template_ids(self, text: str) -> list[int]:
         """Rendered template text to ids: special-token texts in it become their ids and no bos is
         added (a template that wants bos writes it), as `apply_chat_template(tokenize=True)` does."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+               ) -> list[int]:
         """The prompt ids of a conversation ([{"role": ..., "content": ...}, ...]; the system prompt
         first when configured): the chat template's rendering, with the assistant turn's opening
-        when `add_generation_prompt`; without a template the plain format (module docstring)."""
+        when `add_generation_prompt` and the `tools` (OpenAI-style function schemas, what
+        `ToolRegistry.schemas()` gives) handed to the template; without a template the plain format
+        (module docstring)."""
         messages = _with_system(messages, self.system_prompt)
         if not self.use_chat_template:
             text = "".join(m["content"] for m in messages)
             return self.encode(text, add_bos=self.bos_token_id is not None)
-        return self._template_ids(self._template_text(messages, add_generation_prompt))
+        return self._template_ids(self._template_text(messages, add_generation_prompt, tools))
 
     @cached_property
     def _special_ids(self) -> frozenset[int]:

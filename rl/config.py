@@ -35,6 +35,7 @@ from models.tokenizer import TokenizerConfig
 from rl.config_upgrade import (PREFIX_CACHE_MODEL_ID, RENAMED_KEYS, DeprecatedKeyWarning,  # noqa: F401 (re-exported)
                                upgrade_overrides, upgrade_stored_config)
 from rl.data import DataConfig, check_files
+from rl.env_runner import EnvConfig
 from rl.rollout import DriverConfig
 from rl.tracking import TrackingConfig
 from rl.validation import EvalConfig
@@ -222,6 +223,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     """Validation on held-out episodes (rl/validation.py): when (every, before_train), how (n, temperature, top_p,
     max_new_tokens), how many (num_prompts; data.val_files rows when given), the dump (run_dir/val/)."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -19,7 +19,7 @@ RENAMED_KEYS = {"memory.pool_mb": "engine.pool_mb", "memory.host_pool_mb": "engi
                 "rollout.max_model_len": "engine.max_model_len",
                 "rollout.max_num_batched_tokens": "engine.max_num_batched_tokens",
                 "rollout.kernel_impl": "engine.kernel_impl", "rollout.kda_state_dtype": "engine.kda_state_dtype",
-                "task.tokenizer": "tokenizer.path"}
+                "task.tokenizer": "tokenizer.path", "rollout.env_timeout_s": "env.timeout_s"}
 """Old key -> new key, same value. Three more old keys map to config groups (`upgrade_overrides`):
 rollout.prefix_hash_block, rollout.kv_budget_tokens and rollout.kv_policy; and the value
 rollout.max_concurrency=auto is now null."""

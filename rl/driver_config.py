@@ -31,9 +31,6 @@ class DriverConfig:
     budget_seconds: float | None = None
     """Partial rollouts: rollout seconds per iteration (wall clock, the same on every rank); None = no
     time budget."""
-    env_timeout_s: float | None = 60.0
-    """Seconds each environment call (factory, reset, step, reward) may take before its trajectory
-    is dropped (reason "timeout"); None = no limit (plain calls)."""
     max_drop_fraction: float = 0.5
     """Circuit breaker (rl/orchestrator.py): the run stops with an error when more than this share of
     an iteration's trajectories were dropped (over-length, tokenizer or environment errors, timeouts)."""
@@ -66,8 +63,6 @@ class DriverConfig:
         if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
             raise ValueError(f"groups_per_iteration={self.groups_per_iteration} and max_new_tokens="
                              f"{self.max_new_tokens} must be >= 1")
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"env_timeout_s={self.env_timeout_s}, expected > 0 or null (no limit)")
         if not 0 <= self.max_drop_fraction <= 1:
             raise ValueError(f"max_drop_fraction={self.max_drop_fraction}, expected in [0, 1]")
         if self.max_concurrency is not None and (isinstance(self.max_concurrency, bool) or self.max_concurrency < 1):

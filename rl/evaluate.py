@@ -93,7 +93,7 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
     engine = Engine(model, replace(cfg.engine, seed=cfg.seed, show_progress=False), detokenize=tokenizer.decode)
     metrics = evaluate(engine, tokenizer, cfg.task.name, cfg.task.params, replace(cfg.eval, dump=True),
                        seed=cfg.seed, iteration=it, out_dir=out, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
-                       env_timeout_s=cfg.rollout.env_timeout_s, rows=rows)
+                       env_timeout_s=cfg.env.timeout_s, rows=rows)
     write_durable(out / f"metrics_iter_{it}.json", (json.dumps(metrics, indent=1, sort_keys=True) + "\n").encode())
     return out, metrics
 

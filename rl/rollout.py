@@ -20,7 +20,7 @@ which is then skipped (GRPO needs the group), a later one drops only its traject
   engine.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
   each request is submitted;
 - `env_error`: the task's factory, `reset` or `step` raised (or returned no StepResult);
-- `timeout`: one such call ran past `env_timeout_s` (it is left running on its daemon thread, its
+- `timeout`: one such call ran past `env.timeout_s` (it is left running on its daemon thread, its
   environment is discarded);
 - `tokenizer`: encoding a prompt or observation, or decoding an answer, raised;
 - `bad_reward`: a step's reward is not a finite number.
@@ -34,15 +34,18 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from rl.cache_metrics import cache_metrics
 from rl.data import DataExhausted, RowSampler
 from rl.driver_config import DriverConfig
-from rl.tasks.base import Environment, make_task
+from rl.env_runner import (DROP_REASONS, Dropped, EnvConfig, EnvRunner, EnvTimeout,  # noqa: F401 (re-exported)
+                           call_with_timeout)
+from rl.tasks.base import Environment, make_task, resolve_task
+from rl.env_calls import EnvCallMethods, EnvCalls
+from rl.trajectory import Trajectory
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import ContextTooLong, Engine
 from rollout.request import RequestOutput, SampleOutput
@@ -56,80 +59,6 @@ def mix_seed(*parts: int) -> int:
         x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 31
     return x >> 2
-
-
-DROP_REASONS = ("too_long", "env_error", "timeout", "tokenizer", "bad_reward")
-"""Why a trajectory was dropped; each is the iteration metric `dropped/<reason>`."""
-
-
-class EnvTimeout(TimeoutError):
-    """An environment call did not return within the driver's `env_timeout_s`."""
-
-
-class Dropped(Exception):
-    """A fault that drops the trajectories it hit: `reason` (one of DROP_REASONS) and the error."""
-
-    def __init__(self, reason: str, error: BaseException) -> None:
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.reason, self.error = reason, error
-
-
-def call_with_timeout(fn: Callable[[], object], timeout_s: float | None, what: str) -> object:
-    """`fn()`, or EnvTimeout when it has not returned after `timeout_s` seconds (None: a plain call).
-    The call runs on a daemon thread that is abandoned on timeout (Python cannot stop it; a daemon
-    thread does not keep the process alive); whatever it raises is re-raised here."""
-    if timeout_s is None:
-        return fn()
-    out: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
-            out["error"] = err
-
-    thread = threading.Thread(target=target, name=f"env-call {what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise EnvTimeout(f"{what} did not return within env_timeout_s={timeout_s:g}")
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
-@dataclass
-class Trajectory:
-    traj_id: str
-    group_id: int
-    member: int
-    tokens: list[int]
-    """The whole conversation: prompt, answers, observations (and a partial answer while paused)."""
-    policy: list[bool]
-    """Per token: sampled by the policy (trained on) or given (prompt, observation)."""
-    logprobs: list[float]
-    """Per token: behaviour logprob of policy tokens, 0.0 elsewhere."""
-    versions: list[int]
-    """Per token: policy version that sampled it, -1 elsewhere."""
-    turn_start: int
-    """Index in `tokens` where the current turn's answer begins."""
-    answers: list[str] = field(default_factory=list)
-    """Texts of the finished turns' answers (replayed into a fresh environment on resume)."""
-    turn_boundaries: list[int] = field(default_factory=list)
-    reward: float = 0.0
-    done: bool = False
-    request_id: str | None = None
-    """The paused engine request holding this trajectory's KV (partial_resume="kv")."""
-    row_index: int | None = None
-    """The group's data row (its global index in the RowSampler's order); None without data."""
-    components: dict[str, float] = field(default_factory=dict)
-    """Named reward parts (StepResult.components) summed over the turns."""
-    is_correct: bool | None = None
-    """The last turn's StepResult.is_correct: None when the environment did not say."""
-
-    @property
-    def num_generated_in_turn(self) -> int:
-        return len(self.tokens) - self.turn_start
 
 
 @dataclass
@@ -147,8 +76,14 @@ class TurnEnd:
         nxt: list[Submission] = []
         for t, sample in zip(self.trajs, out.samples):
             t.request_id = None
+            if t.tokens[:len(out.prompt)] != out.prompt:  # token in, token out: no text round trip anywhere
+                raise AssertionError(f"trajectory {t.traj_id}: the engine's prompt ({len(out.prompt)} tokens) is not "
+                                     f"a prefix of the trajectory's tokens: what the trainer scores would differ "
+                                     f"from what the engine saw")
             self.driver._append(t, sample, self.stats)
-            if self.driver._end_turn(t, self.stats):
+            if self.driver.runner is not None:  # the environment's step runs on a worker; its end comes back
+                self.driver._submit_step(t, self.stats)  # through `collect` (EnvCalls)
+            elif self.driver._end_turn(t, self.stats):
                 nxt += self.driver._admissible([t], self.stats)
         return nxt
 
@@ -160,19 +95,21 @@ def _continued(sub: Submission) -> list[Trajectory]:
     return sub.follow_up.trajs
 
 
-class RolloutDriver:
+class RolloutDriver(EnvCallMethods):
     """Runs iterations of trajectory generation against one engine; its state (carried-over and
     finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
 
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
                  group_size: int, seed: int, rank: int = 0, world: int = 1,
-                 sum_over_ranks: Callable[[int], int] | None = None, rows: RowSampler | None = None) -> None:
+                 sum_over_ranks: Callable[[int], int] | None = None, rows: RowSampler | None = None,
+                 env: EnvConfig = EnvConfig()) -> None:
         """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
         generates only the groups g with g % world == rank (every seed derives from the run `seed`
         and the global g, so the episodes and sampled tokens do not depend on the number of ranks),
         and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world).
         `rows`: the data source; group g gets its g-th row (passed to `reset(seed, row=...)` when the
-        task's reset takes `row`)."""
+        task's reset takes `row`). `env`: how environment calls run (rl/env_runner.py: inline, or on
+        worker threads while the engine steps; timeouts, retries, the failure policy)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
         if world > 1 and config.max_groups_in_flight is not None and sum_over_ranks is None:
@@ -189,6 +126,10 @@ class RolloutDriver:
         self.rows = rows
         self.pass_row = rows is not None and "row" in inspect.signature(probe.reset).parameters
         """The data row is passed to `reset` (a data source is set and the task's reset takes `row`)."""
+        tools = getattr(probe, "tools", None)
+        self.tools = tools.schemas() if hasattr(tools, "schemas") else tools
+        """The tool schemas the task exposes (its `tools`: a ToolRegistry or a list of OpenAI-style
+        function schemas), handed to the chat template with every first prompt; None without."""
         self.data_exhausted = False
         """The sampler ran out (DataExhausted): no new groups start; the caller ends the run when
         the driver has nothing left in flight."""
@@ -199,7 +140,14 @@ class RolloutDriver:
         self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                          "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
         self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
-        self.partial_resume, self.env_timeout_s = config.partial_resume, config.env_timeout_s
+        self.partial_resume, self.env_timeout_s, self.env_config = config.partial_resume, env.timeout_s, env
+        factory = resolve_task(task_name)  # a task's own failure policy wins over the env group's
+        self.on_failure = getattr(factory, "on_failure", env.on_failure)
+        self.failure_reward = float(getattr(factory, "failure_reward", env.failure_reward))
+        if self.on_failure not in ("drop", "score"):
+            raise ValueError(f"task {task_name!r}: on_failure={self.on_failure!r}, expected 'drop' or 'score'")
+        self.runner = EnvRunner(env.workers, env.timeout_s) if env.workers else None
+        """The worker pool of environment calls (env.workers > 0), else None: calls run inline."""
         self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
         self.budget_seconds = config.budget_seconds
         self.next_group = 0
@@ -251,11 +199,13 @@ class RolloutDriver:
             self.envs[traj.traj_id] = env
         return env
 
+    def _episode_seed(self, group: int) -> int:
+        """The seed of global group `group`'s episode (the same on every rank)."""
+        return mix_seed(self.seed, group)
+
     def _reset(self, env: Environment, group: int, row_index: int | None) -> object:
         """env.reset for group `group`, with its data row when the task takes one. Raises Dropped."""
-        if self.pass_row and row_index is not None:
-            return self._env_call("reset", lambda: env.reset(mix_seed(self.seed, group), row=self.rows[row_index]))
-        return self._env_call("reset", env.reset, mix_seed(self.seed, group))
+        return self._env_call("reset", self._reset_call(env, group, row_index))
 
     def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
         """The request continuing `trajs` (one group's first turn, or one trajectory), its follow-up a
@@ -285,13 +235,15 @@ class RolloutDriver:
         traj.versions += sample.versions
         stats["tokens"] += len(sample.tokens)
 
-    def _end_turn(self, traj: Trajectory, stats: dict) -> bool:
-        """Score the finished turn; True when another turn follows."""
+    def _answer(self, traj: Trajectory) -> str:
+        """The finished turn's answer text (eos left out, cut before a stop string). Raises Dropped."""
         eos = self.engine.model.config.eos_token_id
+        return self._tokenizer_call(self.tokenizer.answer_text, [t for t in traj.tokens[traj.turn_start:] if t != eos])
+
+    def _apply(self, traj: Trajectory, answer: str, env: Environment, result: object, stats: dict) -> bool:
+        """The turn's StepResult applied to `traj`: reward, observation tokens, or the episode's end;
+        True when another turn follows."""
         try:
-            answer = self._tokenizer_call(self.tokenizer.answer_text, [t for t in traj.tokens[traj.turn_start:] if t != eos])
-            env = self._env(traj)
-            result = self._env_call("step", env.step, answer)
             try:
                 raw_reward, done, observation = result.reward, result.done, result.observation
                 components, is_correct = dict(getattr(result, "components", {})), getattr(result, "is_correct", None)
@@ -299,7 +251,8 @@ class RolloutDriver:
                 raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
             reward = self._reward(raw_reward)
             last = bool(done) or len(traj.answers) + 1 >= env.max_turns
-            obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation)
+            role = getattr(result, "role", "user")  # a tool's reply renders in the template's tool role
+            obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation, role)
         except Dropped as fault:
             self._drop([traj], fault, stats)
             return False
@@ -355,7 +308,9 @@ class RolloutDriver:
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
-        stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS}}
+        stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS},
+                 "env_retries": 0, "env_timeouts": 0, "env_failures_scored": 0}
+        calls_before, busy_before = (self.runner.num_calls, self.runner.busy_seconds) if self.runner else (0, 0.0)
         carry, self.carry = self.carry, []
         paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
         for traj in carry:
@@ -396,41 +351,59 @@ class RolloutDriver:
             return ((self.budget_tokens is not None and generated >= self.budget_tokens)
                     or (self.budget_seconds is not None and time.perf_counter() - t0 >= self.budget_seconds))
 
-        dispatcher.run(should_stop=should_stop)
+        dispatcher.run(should_stop=should_stop, background=EnvCalls(self) if self.runner is not None else None)
         should_stop()  # the progress bar's final state
         self._stop_unfinished(dispatcher, stats)
         if dispatcher.auto is not None:
             self.auto_limit = dispatcher.auto.limit
         seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
         dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
+        env_calls = {"env_retries": float(stats["env_retries"]), "env_timeouts": float(stats["env_timeouts"]),
+                     "env_failures_scored": float(stats["env_failures_scored"]),
+                     # the engine's share of the rollout's wall time, and the environments' work done off it
+                     "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
+                     **({"env_calls": float(self.runner.num_calls - calls_before),
+                         "env_busy_seconds": self.runner.busy_seconds - busy_before} if self.runner else {})}
         cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
         return {**cache, "rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
                 # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
                 **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
-                **dropped, "trajectories_dropped": sum(dropped.values()),
+                **dropped, "trajectories_dropped": sum(dropped.values()), **env_calls,
                 # the names before the drops had reasons, kept for older readers
                 "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
 
     def _start_group(self, dispatcher: Dispatcher, group: int, row_index: int | None, stats: dict) -> None:
-        """Group `group`'s trajectories and its first request (one prompt, n = group_size)."""
+        """Group `group`'s trajectories and its first request (one prompt, n = group_size); with a
+        worker pool the environment's reset runs there and the request follows from `_reset_done`."""
         trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0, row_index=row_index)
                  for m in range(self.group_size)]
         self.group_sizes[group] = self.group_size
+        if self.runner is not None:
+            self.runner.submit(("reset", trajs, 0, stats), lambda: self._reset_job(group, row_index))
+            return
         try:  # the group's prompt: a fault here drops the whole group
             env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
             text = self._reset(env, group, row_index)
-            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
-            prompt = self._tokenizer_call(self.tokenizer.render, messages)
         except Dropped as fault:
             self._drop(trajs, fault, stats)
             return
+        for request in self._first_request(trajs, text, stats):
+            dispatcher.add(request)
+
+    def _first_request(self, trajs: list[Trajectory], text: object, stats: dict) -> list[Submission]:
+        """The group's prompt rendered into every member, and its request (or [] when refused)."""
+        try:
+            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+            prompt = self._tokenizer_call(self.tokenizer.render, messages, tools=self.tools)
+        except Dropped as fault:
+            self._drop(trajs, fault, stats)
+            return []
         for t in trajs:
             t.tokens, t.policy = list(prompt), [False] * len(prompt)
             t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
-        for request in self._admissible(trajs, stats):
-            dispatcher.add(request)
+        return self._admissible(trajs, stats)
 
     def _new_groups(self) -> int:
         """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
@@ -447,6 +420,10 @@ class RolloutDriver:
         """Budget reached: everything not finished becomes carry-over (paused with its KV, or with
         its partial answer appended for recompute)."""
         in_flight, backlog = dispatcher.clear()
+        while self.runner is not None and self.runner.pending:  # turns whose environment call is out:
+            self.runner.wait(0.5)  # their next request is known once it ends (bounded by env.timeout_s)
+            for sub in EnvCalls(self).collect():
+                self.carry += _continued(sub)
         for request_id, sub in in_flight:
             out, trajs = self.engine.output(request_id), _continued(sub)
             if self.partial_resume == "kv":

@@ -70,7 +70,8 @@ def initial_policy(cfg: RunConfig) -> HybridLM:
 
 RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s", "experiment.max_idle_iterations",
                      "tracking.", "checkpoint.", "rollout.budget_tokens", "rollout.budget_seconds",
-                     "rollout.max_drop_fraction", "rollout.env_timeout_s", "resume", "run_dir",
+                     "rollout.max_drop_fraction", "env.timeout_s", "env.workers", "env.max_retries",
+                     "env.backoff_s", "resume", "run_dir",
                      "experiment.checkpoint", "experiment.num_threads", "warmup.", "eval.")
 """Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
 on, its checkpoints' cadence, its budgets and fault limits, its CPU threads (and experiment.checkpoint
@@ -206,7 +207,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                   f"{cfg.data.max_prompt_tokens}; {len(rows)} kept", file=sys.stderr)
     driver = RolloutDriver(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.rollout,
                            group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
-                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]), rows=rows)
+                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]), rows=rows, env=cfg.env)
     run_dir = Path(cfg.run_dir)
     val_rows = None
     if cfg.data.val_files:  # the held-out rows, in file order (never shuffled)
@@ -214,7 +215,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
             p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
     evaluate = evaluator(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.eval, seed=cfg.seed, out_dir=run_dir,
                          rank=ranks.rank, world=ranks.world, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
-                         env_timeout_s=cfg.rollout.env_timeout_s, rows=val_rows)
+                         env_timeout_s=cfg.env.timeout_s, rows=val_rows)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
     # own store in it: every store locks its directory (memory/nvme_store.py).

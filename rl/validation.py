@@ -46,6 +46,7 @@ from pathlib import Path
 
 from memory.durable import write_durable
 from rl.driver_config import DriverConfig
+from rl.env_runner import EnvConfig
 from rl.rollout import call_with_timeout, mix_seed
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
@@ -225,7 +226,7 @@ def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, see
 def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, config: EvalConfig, *, seed: int,
              iteration: int, out_dir: str | Path | None, rank: int = 0, world: int = 1,
              rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
-             env_timeout_s: float | None = DriverConfig.env_timeout_s,
+             env_timeout_s: float | None = EnvConfig.timeout_s,
              rows: Sequence[dict] | None = None) -> dict[str, float]:
     """One evaluation of the engine's current weights (module docstring): this rank's share of the
     held-out prompts (i % world == rank), each played `config.n` times; returns the metrics (ratios
@@ -322,7 +323,7 @@ def _dump(path: Path, iteration: int, prompts: list[tuple[int, str | list[dict],
 def evaluator(engine: Engine, tokenizer, task_name: str, task_params: dict, config: EvalConfig, *, seed: int,
               out_dir: str | Path | None, rank: int = 0, world: int = 1,
               rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
-              env_timeout_s: float | None = DriverConfig.env_timeout_s,
+              env_timeout_s: float | None = EnvConfig.timeout_s,
               rows: Sequence[dict] | None = None) -> Callable[[int], dict[str, float]] | None:
     """`evaluate` bound to the run's parts, called with the iteration (rl/orchestrator.py's
     `LoopParts.evaluate`); None when `config` never evaluates."""

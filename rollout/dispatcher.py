@@ -26,9 +26,17 @@ hash boundary wait on their page copy (pinned until the next forward pass; seque
 together cross boundaries together) and preempts. A follow-up waiting in the backlog keeps its
 finished turn's resume point reserved until it is sent, or the others' growth evicts it first.
 Measured on `benchmarks.throttle`: docs/rollout.md.
+
+Work in the background (`Background`: environment calls on worker threads, rl/env_runner.py): a
+finished turn's follow-up may hand its conversation to the background and return nothing; the
+dispatcher keeps stepping the engine for the other requests, collects what the background finished
+after every step (its submissions go first, like any follow-up's), waits on it only when the engine
+has nothing to run, and runs until it is empty too. A conversation waiting on its tool keeps its
+resume point reserved in the admission check, as a queued follow-up does.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +56,20 @@ class Submission:
     """Called with the request's output when it finishes (None: nothing follows)."""
     turn_boundaries: tuple[int, ...] = ()
     """Where the conversation's turns end in `prompt` (the prefix cache keeps its checkpoints there)."""
+
+
+class Background(Protocol):
+    """Work that ends outside the engine (environment calls on worker threads) and yields submissions."""
+
+    @property
+    def pending(self) -> int:
+        """Items not yet collected (each a conversation whose next request is not known yet)."""
+
+    def collect(self) -> list[Submission]:
+        """The submissions of the items that ended since the last call (never blocks)."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until an item may have ended, or `timeout_s` seconds."""
 
 
 class FollowUp(Protocol):
@@ -123,6 +145,11 @@ class Dispatcher:
         # The resume point of each follow-up queued at the front of the backlog (in order): its
         # conversation's prefix is cached, and the pages stay reserved until it is sent.
         self._queued_resume: deque[int] = deque()
+        self._background: Background | None = None
+        self.engine_seconds = 0.0
+        """Seconds spent in `engine.step` (the engine's busy time) over every `run`."""
+        self.wait_seconds = 0.0
+        """Seconds spent waiting on the background with nothing for the engine to run."""
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
         """Pages the request's sequences hold at full length (prompt + max_new_tokens), plus, with the
@@ -148,6 +175,8 @@ class Dispatcher:
             return True  # a fixed limit is the whole policy; one request always goes
         budget = self.config.kv_overcommit * self.engine.pool.num_pages
         reserved = sum(self._queued_resume) - (self._queued_resume[0] if self._queued_resume else 0)
+        if self._background is not None:  # conversations waiting on their tools resume soon
+            reserved += self._background.pending * self._resume_pages
         return sum(self._projected.values()) + reserved + self._full_length_pages(prompt, params) <= budget
 
     def signals(self) -> dict[str, float]:
@@ -183,36 +212,60 @@ class Dispatcher:
         return in_flight, backlog
 
     def run(self, on_output: Callable[[RequestOutput], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
-        """Dispatch until the backlog, the follow-ups and the engine are all done, or until
-        `should_stop()` (checked before every step) says so, leaving the rest in flight / queued;
-        returns every finished request's output in completion order."""
+            should_stop: Callable[[], bool] | None = None, background: Background | None = None) -> list[RequestOutput]:
+        """Dispatch until the backlog, the follow-ups, the engine and the `background` are all done,
+        or until `should_stop()` (checked before every step) says so, leaving the rest in flight /
+        queued / in the background; returns every finished request's output in completion order."""
         outputs = []
         if self.auto is not None:  # count preemptions from here on (the engine may be new or reused)
             self.auto.last_preemptions = int(self.engine.stats()["preemptions"])
-        while self.backlog or self.in_flight:
-            if should_stop is not None and should_stop():
-                break
-            kv_bound = False
-            while self.backlog and len(self.in_flight) < self.limit:
-                if not self._room_for(self.backlog[0].prompt, self.backlog[0].params):
-                    kv_bound = True
+        self._background = background
+        try:
+            while self.backlog or self.in_flight or (background is not None and background.pending):
+                if should_stop is not None and should_stop():
                     break
-                sub = self.backlog.popleft()
-                if self._queued_resume:
-                    self._queued_resume.popleft()
-                request_id = self.engine.add_request(sub.prompt, sub.params, turn_boundaries=sub.turn_boundaries)
-                self.in_flight[request_id] = sub
-                self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
-            for out in self.engine.step():
-                follow_up = self.in_flight.pop(out.request_id).follow_up
-                self._projected.pop(out.request_id)
-                outputs.append(out)
-                if on_output is not None:
-                    on_output(out)
-                nxt = follow_up(out) if follow_up is not None else []
-                self.backlog.extendleft(reversed(nxt))  # the next turns go first: their prefixes are hot
-                self._queued_resume.extendleft(reversed([self._resume_pages * sub.params.n for sub in nxt]))
-            if self.auto is not None:
-                self.auto.update(self.signals(), hold=kv_bound or not self.backlog)
+                kv_bound = self._send()
+                if self.in_flight:
+                    t0 = time.perf_counter()
+                    finished = self.engine.step()
+                    self.engine_seconds += time.perf_counter() - t0
+                    for out in finished:
+                        outputs.append(out)
+                        if on_output is not None:
+                            on_output(out)
+                        self._queue_next(self._finish(out))
+                elif background is not None:  # nothing to run: the engine waits on the tools
+                    t0 = time.perf_counter()
+                    background.wait(0.5)
+                    self.wait_seconds += time.perf_counter() - t0
+                if background is not None:
+                    self._queue_next(background.collect())
+                if self.auto is not None:
+                    self.auto.update(self.signals(), hold=kv_bound or not self.backlog)
+        finally:
+            self._background = None
         return outputs
+
+    def _send(self) -> bool:
+        """Send the backlog's head while the limit and the KV room allow; True when KV room held it back."""
+        while self.backlog and len(self.in_flight) < self.limit:
+            if not self._room_for(self.backlog[0].prompt, self.backlog[0].params):
+                return True
+            sub = self.backlog.popleft()
+            if self._queued_resume:
+                self._queued_resume.popleft()
+            request_id = self.engine.add_request(sub.prompt, sub.params, turn_boundaries=sub.turn_boundaries)
+            self.in_flight[request_id] = sub
+            self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
+        return False
+
+    def _finish(self, out: RequestOutput) -> list[Submission]:
+        """A finished request out of the books; its follow-up's submissions."""
+        follow_up = self.in_flight.pop(out.request_id).follow_up
+        self._projected.pop(out.request_id)
+        return follow_up(out) if follow_up is not None else []
+
+    def _queue_next(self, nxt: list[Submission]) -> None:
+        """Follow-ups' submissions to the front of the backlog, in order: their prefixes are hot."""
+        self.backlog.extendleft(reversed(nxt))
+        self._queued_resume.extendleft(reversed([self._resume_pages * sub.params.n for sub in nxt]))

@@ -236,12 +236,13 @@ class RowSampler:
 
     def order(self, epoch: int) -> list[int]:
         """Row indices in epoch `epoch`'s order."""
-        if self._order is None or self._order[0] != epoch:
+        cached = self._order  # read once: environment worker threads index rows too (rl/env_runner.py)
+        if cached is None or cached[0] != epoch:
             perm = list(range(len(self.rows)))
             if self.shuffle:
                 random.Random(f"rows/{self.seed}/{epoch}").shuffle(perm)  # str seeds do not depend on PYTHONHASHSEED
-            self._order = (epoch, perm)
-        return self._order[1]
+            self._order = cached = (epoch, perm)
+        return cached[1]
 
     def __getitem__(self, i: int) -> dict:
         if i < 0:

@@ -109,7 +109,7 @@ def test_help_lists_the_groups():
 # resolving to exactly these values.
 DEFAULT_RUN = {
     "rollout": {"groups_per_iteration": 8, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                "max_concurrency": None, "budget_tokens": None, "budget_seconds": None, "env_timeout_s": 60.0,
+                "max_concurrency": None, "budget_tokens": None, "budget_seconds": None,
                 "max_drop_fraction": 0.5, "partial_resume": "recompute",
                 "reuse_stale_prefix": False, "max_staleness": None,  # KV across iterations: off
                 "max_groups_in_flight": None},
@@ -126,6 +126,7 @@ DEFAULT_RUN = {
     "experiment": {"name": "single_turn", "iterations": 400, "dtype": "fp32", "device": "cpu"},
     "task": {"name": "majority_digit", "params": {"length": 3}},
     "warmup": {"steps": 0},
+    "env": {"workers": 0, "timeout_s": 60.0, "max_retries": 0, "on_failure": "drop"},  # inline calls, as before
 }
 
 

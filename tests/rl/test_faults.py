@@ -119,7 +119,7 @@ def test_an_environment_call_past_the_timeout_drops_that_trajectory(tmp_path, ca
     (h,) = faulty_run(tmp_path, "hang")
     assert h["dropped/timeout"] == 1 and h["trajectories_dropped"] == 1 and h["train_sequences"] == 15
     out = " ".join(capsys.readouterr().out.split())
-    assert "EnvTimeout: step did not return within env_timeout_s=2 (reason: timeout)" in out, out
+    assert "EnvTimeout: step did not return within env.timeout_s=2 (reason: timeout)" in out, out
 
 
 def test_an_environment_failing_every_trajectory_stops_the_run(tmp_path, faulty):
