@@ -116,7 +116,7 @@ class EnvConfig:
         return self.backoff_s * 2 ** (attempt - 1)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a call is tracked in sets
 class _Call:
     key: object
     fn: Callable[[], object]

@@ -251,7 +251,7 @@ class RolloutDriver(EnvCallMethods):
                 raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
             reward = self._reward(raw_reward)
             last = bool(done) or len(traj.answers) + 1 >= env.max_turns
-            role = getattr(result, "role", "user")  # a tool's reply renders in the template's tool role
+            role = getattr(result, "role", "user")  # a tool's reply renders in the template's tool turn
             obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation, role)
         except Dropped as fault:
             self._drop([traj], fault, stats)

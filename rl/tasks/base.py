@@ -28,6 +28,9 @@ class StepResult:
     """Named parts of the reward, logged separately (the driver's `reward/<name>` metrics)."""
     is_correct: bool | None = None
     """Whether the episode's answer was right, when the environment knows (else reward >= 1 counts)."""
+    role: str = "user"
+    """The chat role the observation is rendered in ("tool" for a tool's reply: the chat template's
+    tool/observation turn), tokenized on its own and appended (the conversation's tokens only grow)."""
 
 
 class Environment(Protocol):
