@@ -71,13 +71,13 @@ def tool_delay(seed: int, episode: int, turn: int, latency_s: float, jitter: flo
 @dataclass
 class BenchTool:
     """A multi-turn tool environment: reset returns a short prompt at once, each step sleeps the
-    call's latency (or hangs) and answers with the tool's output; the episode ends after `turns` steps."""
+    call's latency (or hangs) and answers with the tool's output; the episode ends after `max_turns` steps."""
     seed: int = 0
     latency_s: float = 0.2
     jitter: float = 0.5
     hang_fraction: float = 0.02
     hang_s: float = 5.0
-    turns: int = 4
+    max_turns: int = 4
     episode: int = 0
     turn: int = 0
 
@@ -97,7 +97,7 @@ class BenchTool:
         time.sleep(delay_s)
         self.turn += 1
         reward = float(len(answer) % 3) / 2
-        return StepResult(f" tool[{self.turn}]={len(answer)};", reward, self.turn >= self.turns)
+        return StepResult(f" tool[{self.turn}]={len(answer)};", reward, self.turn >= self.max_turns, role="tool")
 
 
 if TASK not in TASKS:
@@ -109,7 +109,7 @@ def make_driver(args: argparse.Namespace, env: EnvConfig) -> RolloutDriver:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15)
     engine = Engine(model, EngineConfig(max_model_len=args.max_model_len, num_pages=args.pages, show_progress=False))
     params = {"seed": args.seed, "latency_s": args.latency_s, "jitter": args.jitter,
-              "hang_fraction": args.hang_fraction, "hang_s": args.hang_s, "turns": args.turns}
+              "hang_fraction": args.hang_fraction, "hang_s": args.hang_s, "max_turns": args.turns}
     config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=args.max_new_tokens)
     d = RolloutDriver(engine, ByteTokenizer(), TASK, params, config, group_size=args.group_size, seed=3, env=env)
     d.sampling["temperature"] = 0.0  # greedy: both modes must finish the same trajectories
@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     serial, serial_trajs = run_mode(args, 0)
     asyn, async_trajs = run_mode(args, args.workers)
     for name, r in (("serial", serial), (f"async{args.workers}", asyn)):
+        pool_calls = "   -" if r["env_calls"] != r["env_calls"] else f"{r['env_calls']:4.0f}"  # NaN: inline, no pool
         print(f"{name:8s} wall {r['wall_s']:6.2f} s  tokens {r['tokens']:5.0f}  finished {r['finished']:3.0f}  "
-              f"tool calls {r['tool_calls']:4.0f} ({r['tool_s']:6.2f} s)  env calls {r['env_calls']:4.0f}  "
+              f"tool calls {r['tool_calls']:4.0f} ({r['tool_s']:6.2f} s)  env calls {pool_calls}  "
               f"timeouts {r['timeouts']:2.0f}  retries {r['retries']:2.0f}  dropped {r['dropped']:2.0f}  "
               f"engine {r['engine_s']:5.2f} s  idle wait {r['wait_s']:5.2f} s  "
               f"engine busy {r['engine_busy_fraction']:.2f}", flush=True)
