@@ -29,16 +29,14 @@ the environment's own state and the thread-safe pool), as the env workers (rl/en
 from __future__ import annotations
 
 import ast
-import atexit
-import os
 import re
 import secrets
-import threading
 from dataclasses import dataclass, field
 
 from rl.data import LABEL, PROMPT
 from rl.tasks.base import StepResult, register_task
-from rl.tools.sandbox import ExecResult, Sandbox, SandboxConfig
+from rl.tools.python_exec import shared_sandbox
+from rl.tools.sandbox import ExecResult, SandboxConfig
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.-]*)[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 _OPEN_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.-]*)[^\n]*\n", re.M)
@@ -177,33 +175,6 @@ def score_run(result: ExecResult, tag: str, num_tests: int, partial_credit: floa
         components[failure] = 1.0
     reward = 1.0 if passed == num_tests else partial_credit * frac
     return StepResult("", reward, True, components=components, is_correct=passed == num_tests)
-
-
-_SANDBOXES: dict[tuple[int, SandboxConfig], Sandbox] = {}
-_SANDBOXES_LOCK = threading.Lock()
-
-
-def shared_sandbox(config: SandboxConfig) -> Sandbox:
-    """This process's Sandbox for `config`, started at the first call and shared by every caller
-    (thread-safe); keyed by the pid too, so a forked child starts its own pool."""
-    key = (os.getpid(), config)
-    with _SANDBOXES_LOCK:
-        sandbox = _SANDBOXES.get(key)
-        if sandbox is None:
-            sandbox = _SANDBOXES[key] = Sandbox(config)
-        return sandbox
-
-
-def close_sandboxes() -> None:
-    """Close this process's shared sandboxes (their workers are killed); a later `step` starts new ones."""
-    with _SANDBOXES_LOCK:
-        mine = [k for k in _SANDBOXES if k[0] == os.getpid()]
-        sandboxes = [_SANDBOXES.pop(k) for k in mine]
-    for sandbox in sandboxes:
-        sandbox.close()
-
-
-atexit.register(close_sandboxes)
 
 
 @register_task("code_reward")

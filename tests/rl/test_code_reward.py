@@ -9,8 +9,8 @@ import yaml
 
 from rl.tasks import code_reward
 from rl.tasks.base import make_task
-from rl.tasks.code_reward import (CodeReward, close_sandboxes, extract_code, harness_program, parse_summary,
-                                  parse_tests, shared_sandbox)
+from rl.tasks.code_reward import CodeReward, extract_code, harness_program, parse_summary, parse_tests
+from rl.tools.python_exec import close_sandboxes, shared_sandbox
 
 FAST = dict(wall_time_s=2.0, memory_mb=256, max_output_bytes=4096, workers=2)
 TESTS = ["assert add1(1) == 2", "assert add1(-1) == 0", "assert add1(41) == 42"]
