@@ -16,6 +16,7 @@ from rl.env_runner import EnvConfig, EnvRunner, EnvTimeout
 from rl.rollout import DriverConfig, RolloutDriver, mix_seed
 from rl.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
+from rollout.prefix_cache import PrefixCacheConfig
 
 SLEEP = {"s": 0.0}  # the sleepy task's per-step delay, set by each test
 HANGS: dict[str, int] = {}  # episode seed -> calls of step() that still hang (the hung/flaky tasks)
@@ -144,6 +145,19 @@ def test_slow_tools_run_behind_generation_with_the_same_trajectories():
     assert seconds <= 0.35 * serial
     assert metrics["env_busy_seconds"] >= 64 * SLEEP["s"] and metrics["env_timeouts"] == 0
     check_token_identity(got, seen["outputs"])
+
+
+def test_later_turns_hit_the_prefix_cache_when_tools_run_on_workers():
+    SLEEP["s"] = 0.05
+    model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15)
+    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=96, show_progress=False,
+                                        prefix_cache=PrefixCacheConfig(hash_block=4, model_id="tiny")))
+    d = RolloutDriver(engine, ByteTokenizer(), "test_sleepy", {}, DriverConfig(groups_per_iteration=2, max_new_tokens=3),
+                      group_size=4, seed=3, env=EnvConfig(workers=8))
+    engine.load_weights(engine.model.state_dict(), version=1)
+    metrics = d.run_iteration()
+    assert metrics["trajectories_finished"] == 8 and metrics["prefix_hit_tokens"] > 0
+    assert metrics["prefix_hit_frac"] > 0.4  # turns 2-4 reuse the conversation so far (in hash blocks of 4)
 
 
 def test_async_def_environments_run_inline_and_on_workers():
