@@ -148,3 +148,21 @@ def test_byte_tokenizer_has_the_same_methods():
     assert tok.render([{"role": "user", "content": "get c"}]) == tok.encode("sys: get c")
     assert tok.continue_turn("obs") == tok.encode("obs", add_bos=False)
     assert ByteTokenizer().render([{"role": "user", "content": "é"}]) == ByteTokenizer().encode("é")
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_reach_the_template_and_tool_replies_render_in_the_tool_turn(tmp_path):
+    tok = load_tokenizer(TokenizerConfig(path=str(build_bpe_tokenizer(tmp_path / "tok", chat_template=TOOL_TEMPLATE))))
+    schemas = [{"type": "function", "function": {"name": "py", "description": "run", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+    prompt = tok.render([{"role": "user", "content": "37*8="}], tools=schemas)
+    assert tok.tokenizer.decode(prompt).startswith("<|im_start|>system\ntools: py<|im_end|>\n<|im_start|>user\n37*8=")
+    assert "tools:" not in tok.tokenizer.decode(tok.render([{"role": "user", "content": "37*8="}]))
+    reply = tok.continue_turn("=296;", role="tool")  # appended after the answer's end of turn, tokenized alone
+    assert tok.tokenizer.decode(reply) == "\n<|im_start|>tool\n=296;<|im_end|>\n<|im_start|>assistant\n"
