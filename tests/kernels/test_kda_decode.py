@@ -14,12 +14,17 @@ TOL = 1e-5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_for(impl: str) -> torch.device:
+    """Where a test of `impl` puts its tensors: the fused CPU kernels take CPU tensors on any host."""
+    return torch.device("cpu") if impl == "cpu" else DEVICE
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def make_pool(num_pages, H, K, V, *, num_layers=3, layer=1, seed=0):
+def make_pool(num_pages, H, K, V, *, num_layers=3, layer=1, seed=0, device=DEVICE):
     """A flat pool buffer and one layer's state view into it, as the page pool lays it out.
 
     Per page the heads of all layers in the group are interleaved (head stride = num_layers
@@ -29,7 +34,7 @@ def make_pool(num_pages, H, K, V, *, num_layers=3, layer=1, seed=0):
     gen = torch.Generator().manual_seed(seed)
     unit = K * V  # one head's [K, V] state
     page_elems = H * num_layers * unit + 13
-    buf = torch.randn(num_pages, page_elems, generator=gen).to(DEVICE)  # [num_pages, page_elems]
+    buf = torch.randn(num_pages, page_elems, generator=gen).to(device)  # [num_pages, page_elems]
     heads = buf[:, : H * num_layers * unit].view(num_pages, H, num_layers, K, V)
     state = heads[:, :, layer]  # [num_pages, H, K, V] strides (page_elems, num_layers*unit, V, 1)
     assert not state.is_contiguous()
@@ -44,7 +49,7 @@ def touched_mask(buf, pages, H, K, V, *, num_layers=3, layer=1):
     return mask
 
 
-def make_step(B, H, K, V, *, seed=0, strong_decay=True):
+def make_step(B, H, K, V, *, seed=0, strong_decay=True, device=DEVICE):
     """One token's inputs: L2-normalised q, k; g in [-5, 0] (strong) or log-sigmoid (slow)."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)  # [B, H, K]
@@ -55,7 +60,7 @@ def make_step(B, H, K, V, *, seed=0, strong_decay=True):
     else:
         g = F.logsigmoid(torch.randn(B, H, K, generator=gen) + 2.0)  # [B, H, K]
     beta = torch.rand(B, H, generator=gen)  # [B, H]
-    return tuple(x.to(DEVICE) for x in (q, k, v, g, beta))
+    return tuple(x.to(device) for x in (q, k, v, g, beta))
 
 
 PAGES = torch.tensor([5, 0, 3], dtype=torch.int32)  # shuffled, not the first B pages
@@ -108,10 +113,11 @@ def test_triton_matches_naive(K, V, strong_decay):
 def test_steps_follow_recurrent_kda(impl):
     # Six decode steps through the pool equal one recurrent call over the six tokens.
     B, H, K, V, T = 2, 2, 16, 24, 6
-    pages = torch.tensor([4, 1], device=DEVICE)
-    buf, state = make_pool(6, H, K, V, seed=3)
+    dev = device_for(impl)
+    pages = torch.tensor([4, 1], device=dev)
+    buf, state = make_pool(6, H, K, V, seed=3, device=dev)
     h0 = state[pages].clone()  # [B, H, K, V]
-    steps = [make_step(B, H, K, V, seed=10 + t) for t in range(T)]
+    steps = [make_step(B, H, K, V, seed=10 + t, device=dev) for t in range(T)]
     outs = [kda_decode_step(*inputs, state, pages, impl=impl) for inputs in steps]
     seq = [torch.stack(xs, dim=1) for xs in zip(*steps)]  # [B, T, H, *]
     o_ref, s_ref, _ = naive_recurrent_kda(*seq, initial_state=h0)
@@ -122,15 +128,16 @@ def test_steps_follow_recurrent_kda(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bad_pages_raise_and_write_nothing(impl):
     B, H, K, V = 3, 2, 16, 8
-    buf, state = make_pool(7, H, K, V)
+    dev = device_for(impl)
+    buf, state = make_pool(7, H, K, V, device=dev)
     before = buf.clone()
-    inputs = make_step(B, H, K, V)
+    inputs = make_step(B, H, K, V, device=dev)
     with pytest.raises(ValueError, match="page 3 appears more than once"):
-        kda_decode_step(*inputs, state, torch.tensor([3, 1, 3], device=DEVICE), impl=impl)
+        kda_decode_step(*inputs, state, torch.tensor([3, 1, 3], device=dev), impl=impl)
     with pytest.raises(ValueError, match=r"state page id 7 is not in \[0, num_pages=7\)"):
-        kda_decode_step(*inputs, state, torch.tensor([0, 7, 2], device=DEVICE), impl=impl)
+        kda_decode_step(*inputs, state, torch.tensor([0, 7, 2], device=dev), impl=impl)
     with pytest.raises(ValueError, match=r"state page id -1 is not in"):
-        kda_decode_step(*inputs, state, torch.tensor([0, -1, 2], device=DEVICE), impl=impl)
+        kda_decode_step(*inputs, state, torch.tensor([0, -1, 2], device=dev), impl=impl)
     assert torch.equal(buf, before)
 
 
