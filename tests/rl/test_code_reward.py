@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from rl.tasks import code_reward
+from rl.tools import python_exec
 from rl.tasks.base import make_task
 from rl.tasks.code_reward import CodeReward, extract_code, harness_program, parse_summary, parse_tests
 from rl.tools.python_exec import close_sandboxes, shared_sandbox
@@ -151,9 +151,9 @@ def test_params_are_validated_naming_the_bad_value_and_building_starts_no_pool()
                           ({"partial_credit": True}, "partial_credit=True"), ({"max_turns": 2}, "max_turns=2")):
         with pytest.raises(ValueError, match=words):
             CodeReward(**params)
-    before = dict(code_reward._SANDBOXES)
+    before = dict(python_exec._SANDBOXES)
     envs = [CodeReward(wall_time_s=3.0 + i) for i in range(3)]
-    assert code_reward._SANDBOXES == before and envs[0].sandbox_config.wall_time_s == 3.0
+    assert python_exec._SANDBOXES == before and envs[0].sandbox_config.wall_time_s == 3.0
     with open("configs/task/code_reward.yaml") as f:
         task = yaml.safe_load(f)
     assert task["name"] == "code_reward" and CodeReward(**task["params"]).partial_credit == 0.0
