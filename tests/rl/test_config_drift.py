@@ -1,6 +1,7 @@
 """A resume refuses a changed config outside the documented keys; resume=must; a start checkpoint
 of another model; a refused start leaves earlier starts' records alone."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,8 @@ def test_a_refused_start_leaves_the_earlier_starts_hydra_records(tmp_path):
     args = [sys.executable, "-m", "rl.train", f"run_dir={run_dir}", *SMALL, "experiment.iterations=1",
             "tracking.wandb_mode=disabled"]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    if "TORCH_EXTENSIONS_DIR" in os.environ:  # the JIT-built ops of make's cache, not a rebuild in the fresh HOME
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     assert subprocess.run(args, cwd=ROOT, env=env, capture_output=True).returncode == 0
     first = {p: p.read_bytes() for p in (run_dir / ".hydra").rglob("*") if p.is_file()}
     assert first
