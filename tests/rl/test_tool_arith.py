@@ -41,7 +41,8 @@ def test_the_task_needs_the_call_and_the_reading_of_its_output():
     assert env.step(wrong_first).reward == pytest.approx(0.2 + 0.8 / len(product))
     env.reset(0)
     env.step("[py:1+1]")  # a call computing something else: its output is not the product
-    assert env.step(product).reward == 1.0 and env.reset(0)  # the answer alone counts when right
+    assert env.step(product).reward == 1.0  # the answer alone counts when right
+    env.reset(0)
     env.step("[py:1+1]")
     assert env.step("2").reward == 0.0
     for bad in ("no call", "[py:]", "[sh:ls]", "[py:1][py:2]"):
@@ -64,6 +65,6 @@ def test_the_agentic_preset_runs_its_tools_on_workers(tmp_path):
     assert cfg.env.workers > 0 and cfg.engine.prefix_cache is not None and cfg.task.name == "tool_arith"
     (h,) = run(cfg)  # the driver asserts, turn by turn, that the engine's prompts are the trainer's tokens
     assert h["env_calls"] >= 2 + 8 and h["trajectories_finished"] + h["trajectories_dropped"] == 8
-    assert h["reward/call_ok"] >= 0 and h["env_timeouts"] == 0
+    assert h["env_timeouts"] == 0 and h["env_busy_seconds"] > 0  # the tools ran on the workers, none timed out
     stored = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert stored["env_calls"] == h["env_calls"]
