@@ -70,3 +70,13 @@ def require_triton(kernel, device: torch.device) -> None:
             f"TRITON_INTERPRET=1 was set after {module} was imported, so its Triton kernels "
             "were compiled for a GPU; set it before importing the kernels package."
         )
+
+
+def gpu_autotune(key: list[str], warps: tuple[int, ...] = (4, 8), stages: tuple[int, ...] = (2, 3)):
+    """`triton.autotune` over num_warps x num_stages on a GPU; the identity under the interpreter
+    (which cannot time kernels). Decide at decoration, as `triton.jit` does: put it above the jit.
+    Only for kernels whose launches overwrite their outputs (autotuning launches them repeatedly)."""
+    if _interpreting():
+        return lambda fn: fn
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in warps for s in stages]
+    return triton.autotune(configs=configs, key=key)

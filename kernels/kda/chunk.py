@@ -1,202 +1,64 @@
-"""Chunked KDA prefill that also emits the states at requested token positions.
+"""Chunked KDA prefill (and training forward) that also emits the states at requested positions.
 
-Same contract as `naive_chunk_kda` (kernels/kda/naive.py, which derives the WY/UT form used
-here). `impl="naive"` calls it; `impl="triton"` runs one Triton program per (sequence, head,
-block of value columns). Each value column of the state S [K, V] evolves independently, so
-splitting V is exact; a program keeps its block S[:, v-block] in registers and walks the
-sequence segment by segment. Segments are cut, as in the naive form, at multiples of the
-chunk and at every requested position (so the state there is exact without padding); the
-host computes the cuts and passes them as tensors.
-
-Within a segment of L <= BT tokens starting from state S, with G = cumsum(g) ([L, K]) and
-every decay taken as a difference exp(G_i - G_j), j <= i (never exp(G_i) * exp(-G_j), which
-overflows under strong decay):
-
-    A[i, j]  = beta_i <k_i, k_j * exp(G_i - G_j)>   for j < i       (strictly lower)
-    T_inv    = (I + A)^{-1}                          by forward substitution
-    u, w     = T_inv (beta v), T_inv (beta k exp(G))
-    v_new    = u - w S                               (the delta actually written)
-    o        = (scale q exp(G)) S + tril(scale q_i . (k_j exp(G_i - G_j))) v_new
-    S       <- exp(G_L) S + (k exp(G_L - G))^T v_new
-
-The Triton path uses its own chunk of BT = 16 tokens whatever chunk_len says (it only
-validates it): the cut points differ from the naive path's, the results are the same math.
-The pairwise decays form a [BT, BT, K] intermediate, which is why BT stays small.
+Same contract as `naive_chunk_kda` (kernels/kda/naive.py, which derives the WY/UT form).
+`impl="naive"` calls it; `impl="triton"` runs fla's chunk algorithm in Triton: 64-token chunks
+with 16-token sub-chunks, the UT transform, one serial loop over chunks (kernels/kda/chunk_fwd.py),
+and a Triton backward (kernels/kda/chunk_bwd.py) wired as this function's autograd, so training
+and rollout share one kernel. Chunks are cut, as in the naive form, at multiples of 64 and at every
+requested position (the state there is exact without padding). The Triton path requires g <= 0
+(a log-decay, as in the model; fla requires the same): its intra-chunk products bound every exp
+by 1 only then.
 """
 
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from kernels.impl import check_impl, require_triton
-from kernels.kda.naive import _check_inputs, _segment_ends, naive_chunk_kda
+from kernels.kda.chunk_bwd import TRITON_KERNELS as _BWD_KERNELS
+from kernels.kda.chunk_bwd import chunk_kda_bwd
+from kernels.kda.chunk_fwd import TRITON_KERNELS as _FWD_KERNELS
+from kernels.kda.chunk_fwd import _intra_kernel, chunk_kda_fwd
+from kernels.kda.naive import _check_inputs, naive_chunk_kda
 
-_BT = 16  # tokens per segment on the Triton path; tl.dot needs every dim >= 16
-
-
-@triton.jit
-def _chunk_kda_kernel(
-    q_ptr,  # [B, T, H, K] contiguous
-    k_ptr,  # [B, T, H, K] contiguous
-    v_ptr,  # [B, T, H, V] contiguous
-    g_ptr,  # [B, T, H, K] contiguous
-    beta_ptr,  # [B, T, H] contiguous
-    h0_ptr,  # [B, H, K, V] fp32 contiguous; read only if HAS_INITIAL
-    seg_starts_ptr,  # [num_segments] int32 first token of each segment
-    seg_ends_ptr,  # [num_segments] int32 one past its last token
-    seg_slots_ptr,  # [num_segments] int32 index into position states, -1 if not requested
-    o_ptr,  # [B, T, H, V] contiguous, q's dtype
-    final_ptr,  # [B, H, K, V] fp32 contiguous
-    pos_states_ptr,  # [B, P, H, K, V] fp32 contiguous
-    scale,
-    T,
-    H,
-    K,
-    V,
-    P,
-    num_segments,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    HAS_INITIAL: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns of this program
-    col_mask = cols < V
-    chans = tl.arange(0, BK)  # [BK] key channels
-    chan_mask = chans < K
-    ts = tl.arange(0, BT)  # [BT] token offsets within a segment
-    causal = ts[:, None] >= ts[None, :]  # [BT, BT] j <= i
-    strict = ts[:, None] > ts[None, :]  # [BT, BT] j < i
-    eye = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0)  # [BT, BT]
-
-    state_offs = chans[:, None] * V + cols[None, :]  # [BK, BV] within one [K, V] state
-    state_mask = chan_mask[:, None] & col_mask[None, :]
-    head_state = (b * H + h) * K * V
-    if HAS_INITIAL:
-        S = tl.load(h0_ptr + head_state + state_offs, mask=state_mask, other=0.0)  # [BK, BV]
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
-
-    for s in range(num_segments):
-        start = tl.load(seg_starts_ptr + s)
-        seg_len = tl.load(seg_ends_ptr + s) - start
-        tok_mask = ts < seg_len  # [BT]
-        rows = (b * T + start + ts) * H + h  # [BT] row index into [B * T * H, *]
-        qk_mask = tok_mask[:, None] & chan_mask[None, :]
-        q = tl.load(q_ptr + rows[:, None] * K + chans[None, :], mask=qk_mask, other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * K + chans[None, :], mask=qk_mask, other=0.0)
-        g = tl.load(g_ptr + rows[:, None] * K + chans[None, :], mask=qk_mask, other=0.0)
-        v = tl.load(
-            v_ptr + rows[:, None] * V + cols[None, :],
-            mask=tok_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )  # [BT, BV]
-        beta = tl.load(beta_ptr + rows, mask=tok_mask, other=0.0).to(tl.float32)  # [BT]
-        q = q.to(tl.float32) * scale  # [BT, BK]; padded tokens and channels are 0
-        k = k.to(tl.float32)  # [BT, BK]
-        v = v.to(tl.float32)
-        G = tl.cumsum(g.to(tl.float32), axis=0)  # [BT, BK]; padded g = 0 keeps G finite
-        G_last = tl.sum(tl.where((ts == seg_len - 1)[:, None], G, 0.0), axis=0)  # [BK]
-
-        # Pairwise decay exp(G_i - G_j), j <= i, as one difference; j > i gives exp(-inf) = 0.
-        diff = G[:, None, :] - G[None, :, :]  # [BT(i), BT(j), BK]
-        decay = tl.exp(tl.where(causal[:, :, None], diff, float("-inf")))
-        kk = tl.sum(k[:, None, :] * k[None, :, :] * decay, axis=2)  # [BT, BT]
-        qk = tl.sum(q[:, None, :] * k[None, :, :] * decay, axis=2)  # [BT, BT] incl. diagonal
-        A = tl.where(strict, beta[:, None] * kk, 0.0)  # [BT, BT] strictly lower
-
-        # (I + A) T_inv = I row by row: T_inv_i = e_i - sum_{j<i} A[i, j] T_inv_j. Row i of A
-        # is zero at j >= i, so only rows already solved contribute.
-        T_inv = eye  # [BT, BT]
-        for i in tl.static_range(1, BT):
-            a_i = tl.sum(tl.where(ts[:, None] == i, A, 0.0), axis=0)  # [BT] row i of A
-            e_i = tl.where(ts == i, 1.0, 0.0)  # [BT]
-            row_i = e_i - tl.sum(a_i[:, None] * T_inv, axis=0)  # [BT]
-            T_inv = tl.where(ts[:, None] == i, row_i[None, :], T_inv)
-
-        u = tl.dot(T_inv, beta[:, None] * v, input_precision="ieee")  # [BT, BV]
-        w = tl.dot(T_inv, beta[:, None] * k * tl.exp(G), input_precision="ieee")  # [BT, BK]
-        v_new = u - tl.dot(w, S, input_precision="ieee")  # [BT, BV]
-        o = tl.dot(q * tl.exp(G), S, input_precision="ieee")  # [BT, BV] from the old state
-        o += tl.dot(qk, v_new, input_precision="ieee")  # ... plus this segment's writes
-        tl.store(
-            o_ptr + rows[:, None] * V + cols[None, :],
-            o.to(o_ptr.dtype.element_ty),
-            mask=tok_mask[:, None] & col_mask[None, :],
-        )
-
-        # Padded tokens have k = 0 and v_new = 0, so they add nothing to the state.
-        k_to_end = k * tl.exp(G_last[None, :] - G)  # [BT, BK]
-        S = tl.exp(G_last)[:, None] * S + tl.dot(tl.trans(k_to_end), v_new, input_precision="ieee")
-
-        slot = tl.load(seg_slots_ptr + s)
-        if slot >= 0:
-            slot_state = ((b * P + slot) * H + h) * K * V
-            tl.store(pos_states_ptr + slot_state + state_offs, S, mask=state_mask)
-
-    tl.store(final_ptr + head_state + state_offs, S, mask=state_mask)
+TRITON_KERNELS = {**_FWD_KERNELS, **_BWD_KERNELS}  # name -> @triton.jit function (tools/gpu_check.py)
 
 
-def _segments(T: int, positions: tuple[int, ...], device) -> tuple[Tensor, Tensor, Tensor]:
-    """Segment starts, ends and position-state slots ([num_segments] int32 each) for BT."""
-    ends = _segment_ends(T, _BT, positions)
-    starts = [0] + ends[:-1]
-    slot_of = {p: i for i, p in enumerate(positions)}
-    slots = [slot_of.get(end, -1) for end in ends]
-    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, ends, slots))
+class _ChunkKDATriton(torch.autograd.Function):
+    """chunk_kda_fwd / chunk_kda_bwd as one differentiable op. Inputs contiguous, T > 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, positions):
+        o, final, pos, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, positions)
+        ctx.save_for_backward(q, k, v, beta, *(saved[name] for name in _SAVED))
+        ctx.seg, ctx.NS, ctx.scale, ctx.positions = saved["seg"], saved["NS"], scale, positions
+        ctx.g_dtype, ctx.has_initial = g.dtype, initial_state is not None
+        return o, final, pos
+
+    @staticmethod
+    def backward(ctx, do, dfinal, dpos):
+        q, k, v, beta, *rest = ctx.saved_tensors
+        saved = dict(zip(_SAVED, rest), seg=ctx.seg, NS=ctx.NS)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, beta, ctx.scale, saved, ctx.positions,
+                                                   do.contiguous(), dfinal, dpos)
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dh0 if ctx.has_initial else None, None, None
+
+
+_SAVED = ("G", "ai", "aqk", "w", "u", "qg", "kg", "v_new", "hs")
 
 
 def _chunk_kda_triton(q, k, v, g, beta, scale, initial_state, positions):
     B, T, H, K = q.shape
     V = v.shape[3]
-    device = q.device
-    require_triton(_chunk_kda_kernel, device)
-    P = len(positions)
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)  # [B, T, H, V]
-    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=device)  # [B, H, K, V]
-    position_states = torch.zeros(B, P, H, K, V, dtype=torch.float32, device=device)
-    has_initial = initial_state is not None
-    if has_initial:
-        initial_state = initial_state.to(torch.float32).contiguous()  # [B, H, K, V]
-    if P and positions[0] == 0 and has_initial:
-        position_states[:, 0] = initial_state  # position 0 is the state before any token
-    if B == 0 or H == 0:
-        return o, final_state, position_states
-    starts, ends, slots = _segments(T, positions, device)
-    block_v = min(32, max(16, triton.next_power_of_2(V)))
-    grid = (B, H, triton.cdiv(V, block_v))
+    require_triton(_intra_kernel, q.device)
+    if B == 0 or H == 0 or T == 0:
+        init = (torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device) if initial_state is None
+                else initial_state.to(torch.float32).clone())
+        pos = init.unsqueeze(1).repeat(1, len(positions), 1, 1, 1)  # every position is 0 here
+        return q.new_zeros(B, T, H, V), init, pos
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    _chunk_kda_kernel[grid](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state if has_initial else final_state,  # dummy pointer when not read
-        starts,
-        ends,
-        slots,
-        o,
-        final_state,
-        position_states,
-        float(scale),
-        T,
-        H,
-        K,
-        V,
-        P,
-        len(ends),
-        BT=_BT,
-        BK=max(16, triton.next_power_of_2(K)),
-        BV=block_v,
-        HAS_INITIAL=has_initial,
-    )
-    return o, final_state, position_states
+    return _ChunkKDATriton.apply(q, k, v, g, beta, initial_state, float(scale), positions)
 
 
 def chunk_kda(
@@ -224,8 +86,8 @@ def chunk_kda(
         state_positions: strictly increasing ints p in [0, T]; the state after the first p
             tokens is returned for each (p = 0 gives the initial state).
         chunk_len: segment length of the naive path; the Triton path validates it but uses
-            its own 16-token chunk (same results up to fp32 rounding).
-        impl: "naive" or "triton" (see module docstring).
+            64-token chunks (same results up to fp32 rounding).
+        impl: "naive" or "triton" (see module docstring); both are differentiable.
 
     Returns (all new tensors):
         o: [B, T, H, V] in q's dtype (math in fp32).

@@ -1,0 +1,163 @@
+"""KDA chunk backward in Triton: gradients of q, k, v, g, beta and the initial state from those of
+o, the final state and the position states, reading the forward's workspaces (chunk_fwd.py).
+
+Per segment (notation of kernels/kda/naive.py; S0/S1 the states before/after it, T = (I + A)^{-1},
+X = beta k e^G, Y = beta v, w = T X, u = T Y, v_new = u - w S0, P = scale gram(q, k),
+o = Qg S0 + P v_new, S1 = e^G_last S0 + Kg^T v_new), reverse-mode gives
+
+    dv_new = P^T dO + Kg dS1                      dS0 = e^G_last dS1 + Qg^T dO - w^T dv_new
+    dX = T^T (-dv_new S0^T)   dY = T^T dv_new     dA = -(dX w^T + dY u^T)   (strictly lower)
+    dP = dO v_new^T (lower)   dQg = dO S0^T       dKg = v_new dS1^T
+
+(dA uses dT = -T^T dT_out T^T, folded: dX w^T = T^T dw X^T T^T). The pairwise-decay products of dA
+and dP with k and q (`_decay_row` / `_decay_col`, chunk_intra.py) give the row- and column-role
+gradients; the gate gradient dG sums every term's d/dG, and dg is its reverse cumsum in the segment.
+
+Two kernels: `_dstate_kernel` (b*h, V block) walks the segments backwards (the only serial loop)
+storing dS1 per segment and dv_new; `_grad_kernel` (segment, b*h) then does the rest for all
+segments in parallel. `_grad_kernel` holds whole [64, K] and [64, V] tiles (K, V <= 128 in
+Kimi Linear): a GPU profile decides whether it must be split. Never run on a GPU yet.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.impl import gpu_autotune
+from kernels.kda.chunk_fwd import BC, BT
+from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile
+
+
+@gpu_autotune(key=["K", "V"])
+@triton.jit(do_not_specialize=["NS", "T", "P"])
+def _dstate_kernel(do_ptr, aqk_ptr, qg_ptr, kg_ptr, w_ptr, G_ptr, seg_ptr, dfinal_ptr, dpos_ptr,
+                   ds1_ptr, dvnew_ptr, dh0_ptr, NS, T, H, K, V, P,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    cv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = cv < V
+    c = tl.arange(0, BK)
+    cm = c < K
+    t = tl.arange(0, BT)
+    s_offs = c[:, None] * V + cv[None, :]  # [BK, BV]
+    s_mask = cm[:, None] & vm[None, :]
+    dh = tl.load(dfinal_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0)  # [BK, BV] d(state after the segment)
+    for i in range(NS):
+        s = NS - 1 - i
+        start, L, slot = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s), tl.load(seg_ptr + 2 * NS + s)
+        if slot >= 0:  # the state after this segment was also returned at a position
+            dh += tl.load(dpos_ptr + ((b * P + slot) * H + h) * K * V + s_offs, mask=s_mask, other=0.0)
+        tl.store(ds1_ptr + ((b * NS + s) * H + h) * K * V + s_offs, dh, mask=s_mask)
+        valid = t < L
+        row0 = (b * T + start) * H + h
+        rows = row0 + t * H
+        dO = _row_tile(do_ptr, rows, valid, cv, vm, V)  # [BT, BV]
+        A_qk = tl.load(aqk_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
+        kg = _row_tile(kg_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        dv_new = _mm(tl.trans(A_qk), dO, DOT_BF16) + _mm(kg, dh, DOT_BF16)  # [BT, BV]
+        tl.store(dvnew_ptr + rows[:, None] * V + cv[None, :], dv_new, mask=valid[:, None] & vm[None, :])
+        G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
+        qg = _row_tile(qg_ptr, rows, valid, c, cm, K)
+        w = _row_tile(w_ptr, rows, valid, c, cm, K)
+        dh = tl.exp(G_last)[:, None] * dh + _mm(tl.trans(qg), dO, DOT_BF16) - _mm(tl.trans(w), dv_new, DOT_BF16)
+    tl.store(dh0_ptr + bh * K * V + s_offs, dh, mask=s_mask)
+
+
+@triton.jit
+def _state_tile(ptr, b, s, h, NS, H, K, V, c, cm, cv, vm):
+    """[BK, BV] fp32 tile of a [B, NS, H, K, V] per-segment state tensor."""
+    offs = ((b * NS + s) * H + h) * K * V + c[:, None] * V + cv[None, :]
+    return tl.load(ptr + offs, mask=cm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, rows, valid, c, cm, width, x):
+    tl.store(ptr + rows[:, None] * width + c[None, :], x.to(ptr.dtype.element_ty), mask=valid[:, None] & cm[None, :])
+
+
+@triton.jit(do_not_specialize=["NS", "T"])
+def _grad_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr,
+                 do_ptr, dvnew_ptr, ds1_ptr, seg_ptr,
+                 dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+                 scale, NS, T, H, K, V,
+                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    valid = t < L
+    row0 = (b * T + start) * H + h
+    rows = row0 + t * H
+    c, cv = tl.arange(0, BK), tl.arange(0, BV)
+    cm, vm = c < K, cv < V
+    S0 = _state_tile(hs_ptr, b, s, h, NS, H, K, V, c, cm, cv, vm)  # [BK, BV]
+    dS1 = _state_tile(ds1_ptr, b, s, h, NS, H, K, V, c, cm, cv, vm)
+    dO = _row_tile(do_ptr, rows, valid, cv, vm, V)  # [BT, BV]
+    v_new = _row_tile(vnew_ptr, rows, valid, cv, vm, V)
+    dv_new = _row_tile(dvnew_ptr, rows, valid, cv, vm, V)
+    Ai_t = tl.trans(tl.load(ai_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0))  # T^T
+    dX = _mm(Ai_t, -_mm(dv_new, tl.trans(S0), DOT_BF16), DOT_BF16)  # [BT, BK]
+    dY = _mm(Ai_t, dv_new, DOT_BF16)  # [BT, BV]
+    w = _row_tile(w_ptr, rows, valid, c, cm, K)
+    u = _row_tile(u_ptr, rows, valid, cv, vm, V)
+    pair = valid[:, None] & valid[None, :]
+    dA = tl.where(pair & (t[None, :] < t[:, None]), -(_mm(dX, tl.trans(w), DOT_BF16) + _mm(dY, tl.trans(u), DOT_BF16)), 0.0)
+    dP = tl.where(pair & (t[None, :] <= t[:, None]), _mm(dO, tl.trans(v_new), DOT_BF16), 0.0)  # [BT, BT]
+    beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
+    G = _row_tile(G_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
+    q = _row_tile(q_ptr, rows, valid, c, cm, K)
+    k = _row_tile(k_ptr, rows, valid, c, cm, K)
+    v = _row_tile(v_ptr, rows, valid, cv, vm, V)
+    Rk = _decay_row(dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Ck = _decay_col(beta[:, None] * dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Rq = _decay_row(dP, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Cq = _decay_col(dP, q_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    eG = tl.exp(G)  # padded rows have G = 0 and zero inputs
+    to_end = tl.where(valid[:, None], tl.exp(G_last[None, :] - G), 0.0)  # [BT, BK]
+    dQg = _mm(dO, tl.trans(S0), DOT_BF16)  # [BT, BK]
+    dKg = _mm(v_new, tl.trans(dS1), DOT_BF16)
+    dq = scale * (Rq + dQg * eG)
+    dk = beta[:, None] * (Rk + dX * eG) + Ck + scale * Cq + dKg * to_end
+    dbeta = tl.sum(k * Rk, axis=1) + tl.sum(dX * k * eG, axis=1) + tl.sum(dY * v, axis=1)
+    kg_term = dKg * k * to_end  # d(Kg)/dG_i = -Kg_i, d(Kg)/dG_last = +sum_i Kg_i
+    dG = beta[:, None] * k * (Rk + dX * eG) - k * Ck + scale * (q * Rq - k * Cq + dQg * q * eG) - kg_term
+    last = tl.exp(G_last) * tl.sum(dS1 * S0, axis=1) + tl.sum(kg_term, axis=0)  # [BK] d/dG_last
+    dG = tl.where(valid[:, None], dG, 0.0) + tl.where((t == L - 1)[:, None], last[None, :], 0.0)
+    dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG  # reverse cumsum: G = cumsum(g)
+    _store_rows(dq_ptr, rows, valid, c, cm, K, dq)
+    _store_rows(dk_ptr, rows, valid, c, cm, K, dk)
+    _store_rows(dg_ptr, rows, valid, c, cm, K, dg)
+    _store_rows(dv_ptr, rows, valid, cv, vm, V, beta[:, None] * dY)
+    tl.store(dbeta_ptr + rows, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+
+
+def chunk_kda_bwd(q, k, v, beta, scale, saved, positions, do, dfinal, dpos):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of one `chunk_kda_fwd` call, in the inputs' dtypes
+    (dh0 fp32). q, k, v, beta, do contiguous [B, T, H, *]; dfinal [B, H, K, V]; dpos [B, P, H, K, V]."""
+    B, T, H, K = q.shape
+    V, P, dev = v.shape[3], len(positions), q.device
+    bf16 = saved["w"].dtype != torch.float32
+    seg, NS = saved["seg"], saved["NS"]
+    BK, BVs = max(16, triton.next_power_of_2(K)), max(16, min(64, triton.next_power_of_2(V)))
+    dfinal = dfinal.to(torch.float32).contiguous()
+    dpos = dpos.to(torch.float32).contiguous()
+    ds1 = torch.empty(B, NS, H, K, V, dtype=torch.float32, device=dev)
+    dv_new = torch.empty(B, T, H, V, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
+    _dstate_kernel[(B * H, triton.cdiv(V, BVs))](
+        do, saved["aqk"], saved["qg"], saved["kg"], saved["w"], saved["G"], seg, dfinal, dpos,
+        ds1, dv_new, dh0, NS, T, H, K, V, P, BT=BT, BK=BK, BV=BVs, DOT_BF16=bf16)
+    if P and positions[0] == 0:
+        dh0 += dpos[:, 0]  # position 0 returned the initial state itself
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    _grad_kernel[(NS, B * H)](
+        q, k, v, beta, saved["G"], saved["ai"], saved["w"], saved["u"], saved["v_new"], saved["hs"],
+        do, dv_new, ds1, seg, dq, dk, dv, dg, dbeta, float(scale), NS, T, H, K, V,
+        BT=BT, BC=BC, BK=BK, BV=max(16, triton.next_power_of_2(V)), DOT_BF16=bf16)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+TRITON_KERNELS = {"kda_chunk_dstate": _dstate_kernel, "kda_chunk_grad": _grad_kernel}

@@ -1,0 +1,211 @@
+"""KDA chunk forward in Triton: fla's four-stage design (cumsum -> intra-chunk with the UT/WY
+transform -> the only serial loop, over chunks -> output), with states emitted at requested
+positions. Math and notation: kernels/kda/naive.py (`naive_chunk_kda`); building blocks:
+kernels/kda/chunk_intra.py.
+
+A call is cut into segments of at most BT = 64 tokens: at multiples of 64 and at every requested
+state position (the prefix cache's checkpoints), so the state at a position is exact without
+padding. The host computes the cut (`segment_plan`) from Python ints: no device sync. Stages:
+
+  1. `_cumsum_kernel`   (segment, b*h, K block): G = in-segment cumsum(g), fp32.
+  2. `_intra_kernel`    (segment, b*h): A_kk = beta * gram(k, k) (strict), A_qk = scale * gram(q, k),
+                        T = (I + A_kk)^{-1} (UT transform), w = T (beta k e^G), u = T (beta v),
+                        qg = scale q e^G, kg = k e^(G_last - G). All segments in parallel.
+  3. `_state_kernel`    (b*h, V block): the serial walk. v_new = u - w S; S <- e^G_last S + kg^T v_new;
+                        S stored at every segment start (hs), at requested positions and at the end.
+  4. `_output_kernel`   (segment, b*h, V block): o = qg S_start + A_qk v_new. All segments in parallel.
+
+Everything is saved for the backward (chunk_bwd.py): memory linear in T. fp32 inputs keep fp32
+workspaces and 'ieee' dots (the interpreter tests compare with the naive twin at 1e-5); bf16/fp16
+inputs keep bf16 workspaces and bf16 tensor-core dots with fp32 accumulation, fp32 gates and states.
+Lengths are never specialised on (`do_not_specialize`), so odd T does not compile new variants.
+Never run on a GPU yet: tools/gpu_check.sh measures it against fla's chunk_kda.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.impl import gpu_autotune
+from kernels.kda.chunk_intra import _gram, _mm, _row_tile, _unit_lower_inverse
+
+BT = 64  # tokens per segment
+BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
+
+
+@triton.jit(do_not_specialize=["NS"])
+def _cumsum_kernel(g_ptr, G_ptr, seg_ptr, NS, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    valid = t < L
+    rows = (b * T + start + t) * H + h  # [BT] int64
+    c = tl.program_id(2) * BK + tl.arange(0, BK)
+    cm = c < K
+    G = tl.cumsum(_row_tile(g_ptr, rows, valid, c, cm, K), axis=0)  # [BT, BK]
+    tl.store(G_ptr + rows[:, None] * K + c[None, :], G, mask=valid[:, None] & cm[None, :])
+
+
+@triton.jit(do_not_specialize=["NS"])
+def _intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
+                  ai_ptr, aqk_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr,
+                  scale, NS, T, H, K, V,
+                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    valid = t < L
+    row0 = (b * T + start) * H + h
+    rows = row0 + t * H  # [BT]
+    beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
+    A_kk = beta[:, None] * _gram(k_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, True, BT, BC, BK, DOT_BF16)
+    A_qk = scale * _gram(q_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, False, BT, BC, BK, DOT_BF16)
+    Ai = _unit_lower_inverse(A_kk, t, BT)  # [BT, BT] the UT transform
+    tile = rows[:, None] * BT + t[None, :]
+    tl.store(ai_ptr + tile, Ai, mask=valid[:, None])
+    tl.store(aqk_ptr + tile, A_qk, mask=valid[:, None])
+    for c0 in range(0, K, BK):
+        c = c0 + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
+        G = _row_tile(G_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
+        k = _row_tile(k_ptr, rows, valid, c, cm, K)
+        w = _mm(Ai, beta[:, None] * k * tl.exp(G), DOT_BF16)  # [BT, BK]
+        tl.store(w_ptr + rows[:, None] * K + c[None, :], w.to(w_ptr.dtype.element_ty), mask=m2)
+        qg = scale * _row_tile(q_ptr, rows, valid, c, cm, K) * tl.exp(G)
+        tl.store(qg_ptr + rows[:, None] * K + c[None, :], qg.to(qg_ptr.dtype.element_ty), mask=m2)
+        kg = k * tl.exp(tl.where(m2, G_last[None, :] - G, 0.0))
+        tl.store(kg_ptr + rows[:, None] * K + c[None, :], kg.to(kg_ptr.dtype.element_ty), mask=m2)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vm = cv < V
+        u = _mm(Ai, beta[:, None] * _row_tile(v_ptr, rows, valid, cv, vm, V), DOT_BF16)  # [BT, BV]
+        tl.store(u_ptr + rows[:, None] * V + cv[None, :], u.to(u_ptr.dtype.element_ty), mask=valid[:, None] & vm[None, :])
+
+
+@gpu_autotune(key=["K", "V"])
+@triton.jit(do_not_specialize=["NS", "T", "P"])
+def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
+                  hs_ptr, vnew_ptr, pos_ptr, final_ptr,
+                  NS, T, H, K, V, P,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  HAS_INITIAL: tl.constexpr, DOT_BF16: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    cv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = cv < V
+    c = tl.arange(0, BK)
+    cm = c < K
+    t = tl.arange(0, BT)
+    s_offs = c[:, None] * V + cv[None, :]  # [BK, BV] within one [K, V] state
+    s_mask = cm[:, None] & vm[None, :]
+    if HAS_INITIAL:
+        S = tl.load(h0_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    for s in range(NS):
+        start, L, slot = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s), tl.load(seg_ptr + 2 * NS + s)
+        valid = t < L
+        row0 = (b * T + start) * H + h
+        rows = row0 + t * H
+        tl.store(hs_ptr + ((b * NS + s) * H + h) * K * V + s_offs, S.to(hs_ptr.dtype.element_ty), mask=s_mask)
+        w = _row_tile(w_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        v_new = _row_tile(u_ptr, rows, valid, cv, vm, V) - _mm(w, S, DOT_BF16)  # [BT, BV]
+        tl.store(vnew_ptr + rows[:, None] * V + cv[None, :], v_new.to(vnew_ptr.dtype.element_ty),
+                 mask=valid[:, None] & vm[None, :])
+        kg = _row_tile(kg_ptr, rows, valid, c, cm, K)
+        G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
+        S = tl.exp(G_last)[:, None] * S + _mm(tl.trans(kg), v_new, DOT_BF16)
+        if slot >= 0:
+            tl.store(pos_ptr + ((b * P + slot) * H + h) * K * V + s_offs, S, mask=s_mask)
+    tl.store(final_ptr + bh * K * V + s_offs, S, mask=s_mask)
+
+
+@gpu_autotune(key=["K", "V"])
+@triton.jit(do_not_specialize=["NS", "T"])
+def _output_kernel(qg_ptr, aqk_ptr, vnew_ptr, hs_ptr, seg_ptr, o_ptr, NS, T, H, K, V,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    valid = t < L
+    rows = (b * T + start + t) * H + h
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = cv < V
+    state = ((b * NS + s) * H + h) * K * V
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for c0 in range(0, K, BK):
+        c = c0 + tl.arange(0, BK)
+        cm = c < K
+        S = tl.load(hs_ptr + state + c[:, None] * V + cv[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
+        o += _mm(_row_tile(qg_ptr, rows, valid, c, cm, K), S, DOT_BF16)  # from the segment's start state
+    A_qk = tl.load(aqk_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
+    o += _mm(A_qk, _row_tile(vnew_ptr, rows, valid, cv, vm, V), DOT_BF16)  # ... plus this segment's writes
+    tl.store(o_ptr + rows[:, None] * V + cv[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & vm[None, :])
+
+
+@functools.lru_cache(maxsize=512)
+def segment_plan(T: int, positions: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """(starts, lengths, slots) of the segments: cut at multiples of BT, at each position p > 0
+    and at T; slot = index in `positions` of the position a segment ends at, else -1."""
+    ends = sorted(set(range(BT, T, BT)) | {p for p in positions if p > 0} | ({T} if T > 0 else set()))
+    starts = [0, *ends[:-1]]
+    slot_of = {p: i for i, p in enumerate(positions)}
+    return tuple(starts), tuple(e - s for s, e in zip(starts, ends)), tuple(slot_of.get(e, -1) for e in ends)
+
+
+def segment_tensor(T: int, positions: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
+    """The plan as one [3 * NS] int32 tensor (starts, lengths, slots) on `device`, and NS."""
+    starts, lengths, slots = segment_plan(T, positions)
+    return torch.tensor(starts + lengths + slots, dtype=torch.int32, device=device), len(starts)
+
+
+def workspace_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, positions):
+    """Runs the four stages on contiguous [B, T, H, *] inputs (T > 0, B * H > 0).
+
+    Returns o [B, T, H, V] (q's dtype), final_state [B, H, K, V] fp32, position_states
+    [B, P, H, K, V] fp32, and `saved`, the dict of workspaces the backward reads.
+    """
+    B, T, H, K = q.shape
+    V, P, dev = v.shape[3], len(positions), q.device
+    wdt = workspace_dtype(q.dtype)
+    bf16 = wdt != torch.float32
+    seg, NS = segment_tensor(T, positions, dev)
+    BK, BV = max(16, triton.next_power_of_2(K)), max(16, min(64, triton.next_power_of_2(V)))
+    BKb = min(BK, 64)  # K block of the parallel stages
+    G = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
+    _cumsum_kernel[(NS, B * H, triton.cdiv(K, BKb))](g, G, seg, NS, T, H, K, BT=BT, BK=BKb)
+    ai = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
+    aqk = torch.empty_like(ai)
+    w, qg, kg = (torch.empty(B, T, H, K, dtype=wdt, device=dev) for _ in range(3))
+    u, v_new = (torch.empty(B, T, H, V, dtype=wdt, device=dev) for _ in range(2))
+    _intra_kernel[(NS, B * H)](q, k, v, beta, G, seg, ai, aqk, w, u, qg, kg, float(scale), NS, T, H, K, V,
+                               BT=BT, BC=BC, BK=BKb, BV=BV, DOT_BF16=bf16)
+    hs = torch.empty(B, NS, H, K, V, dtype=wdt, device=dev)
+    pos = torch.zeros(B, P, H, K, V, dtype=torch.float32, device=dev)
+    final = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
+    has_initial = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_initial else final
+    if P and positions[0] == 0 and has_initial:
+        pos[:, 0] = h0  # position 0 is the state before any token
+    _state_kernel[(B * H, triton.cdiv(V, BV))](w, u, kg, G, h0, seg, hs, v_new, pos, final, NS, T, H, K, V, P,
+                                               BT=BT, BK=BK, BV=BV, HAS_INITIAL=has_initial, DOT_BF16=bf16)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=dev)
+    _output_kernel[(NS, B * H, triton.cdiv(V, BV))](qg, aqk, v_new, hs, seg, o, NS, T, H, K, V,
+                                                    BT=BT, BK=BKb, BV=BV, DOT_BF16=bf16)
+    saved = dict(G=G, ai=ai, aqk=aqk, w=w, u=u, qg=qg, kg=kg, v_new=v_new, hs=hs, seg=seg, NS=NS)
+    return o, final, pos, saved
+
+
+TRITON_KERNELS = {"kda_chunk_cumsum": _cumsum_kernel, "kda_chunk_intra": _intra_kernel,
+                  "kda_chunk_state": _state_kernel, "kda_chunk_output": _output_kernel}

@@ -1,0 +1,151 @@
+"""Triton building blocks shared by the KDA chunk forward (chunk_fwd.py) and backward (chunk_bwd.py).
+
+Everything here works on one *segment* of at most BT = 64 tokens of one (sequence, head), held
+as [BT, *] register tiles whose rows are tokens (row t of the segment lives at global row
+`row0 + t * H` of a [B * T * H, width] tensor). Padded rows (t >= L) are loaded as 0.
+
+The intra-segment products all have the pairwise-decay form
+
+    M[i, j] = sum_c a[i, c] b[j, c] exp(G[i, c] - G[j, c]),   j <= i (or j < i)
+
+with G the in-segment cumulative log-decay (non-increasing when g <= 0, as in the model). It is
+computed without ever forming exp(G_i) * exp(-G_j) (which overflows under strong decay) and
+without a [BT, BT, K] tensor, in fla's sub-chunk scheme: tokens form sub-chunks of BC = 16; for
+rows of sub-chunk s and columns in earlier sub-chunks a reference row r = 16 s splits the decay
+as exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1, so the block is one `tl.dot`; the
+16 x 16 diagonal blocks, where no such split is bounded, are summed column by column.
+`_decay_row` and `_decay_col` are the same scheme applied to a given [BT, BT] matrix D (the
+backward's row- and column-role gradients).
+
+Dots take fp32 operands with input_precision="ieee" (exact twin of the torch path), or bf16
+operands with fp32 accumulation when DOT_BF16 (tensor cores).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mm(a, b, DOT_BF16: tl.constexpr):
+    """a @ b with fp32 accumulation; bf16 operands when DOT_BF16, else fp32 'ieee'."""
+    if DOT_BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _row_tile(ptr, rows, valid, c, cm, width):
+    """[BT, BK] fp32 tile of `ptr` at rows (int64 [BT]) and columns c ([BK]); masked -> 0."""
+    return tl.load(ptr + rows[:, None] * width + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _gram(a_ptr, b_ptr, G_ptr, row0, H, t, valid, L, K,
+          STRICT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr):
+    """M[i, j] = sum_c a_ic b_jc exp(G_ic - G_jc) for j < i (STRICT) or j <= i; [BT, BT] fp32.
+
+    a_ptr, b_ptr, G_ptr: [B * T * H, K] row-major (G fp32). Rows and columns past L are 0.
+    """
+    rows = row0 + t * H  # [BT] int64
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in range(0, K, BK):
+        c = c0 + tl.arange(0, BK)  # [BK]
+        cm = c < K
+        a = _row_tile(a_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        b = _row_tile(b_ptr, rows, valid, c, cm, K)
+        G = _row_tile(G_ptr, rows, valid, c, cm, K)
+        for sc in tl.static_range(1, BT // BC):  # sub-chunk 0 has no earlier columns
+            r = sc * BC
+            G_r = tl.load(G_ptr + (row0 + r * H) * K + c, mask=cm & (r < L), other=0.0)  # [BK]
+            mine = (t >= r) & (t < r + BC) & valid  # [BT] rows of this sub-chunk
+            before = (t < r) & valid & (r < L)  # [BT] columns in earlier sub-chunks (none if s is empty)
+            a_t = tl.where(mine[:, None], a * tl.exp(tl.where(mine[:, None], G - G_r[None, :], 0.0)), 0.0)
+            b_t = tl.where(before[:, None], b * tl.exp(tl.where(before[:, None], G_r[None, :] - G, 0.0)), 0.0)
+            acc += _mm(a_t, tl.trans(b_t), DOT_BF16)
+        for jj in tl.static_range(BC):  # the diagonal 16 x 16 blocks, column jj of each
+            j = (t // BC) * BC + jj  # [BT] the column each row pairs with
+            if STRICT:
+                ok = (j < t) & valid
+            else:
+                ok = (j <= t) & valid
+            b_j = _row_tile(b_ptr, row0 + j * H, ok, c, cm, K)  # [BT, BK]
+            G_j = _row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
+            col = tl.sum(a * b_j * tl.exp(tl.where(ok[:, None], G - G_j, float("-inf"))), axis=1)  # [BT]
+            acc += tl.where(t[None, :] == j[:, None], col[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _decay_row(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
+               BT: tl.constexpr, BC: tl.constexpr, DOT_BF16: tl.constexpr):
+    """R[i] = sum_{j <= i} D[i, j] b_j exp(G_i - G_j) for the K block c: [BT, BK] fp32.
+
+    D: [BT, BT] lower triangular (zero above the diagonal and at padded rows/columns).
+    G: [BT, BK] this block's cumulative gates (the tile of G_ptr at these rows).
+    """
+    rows = row0 + t * H
+    b = _row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    out = tl.zeros(b.shape, dtype=tl.float32)
+    for sc in tl.static_range(1, BT // BC):
+        r = sc * BC
+        G_r = tl.load(G_ptr + (row0 + r * H) * K + c, mask=cm & (r < L), other=0.0)  # [BK]
+        mine = (t >= r) & (t < r + BC) & valid
+        before = (t < r) & valid & (r < L)  # an empty sub-chunk pairs with nothing
+        D_s = tl.where(mine[:, None] & (t[None, :] < r), D, 0.0)  # [BT, BT]
+        b_t = tl.where(before[:, None], b * tl.exp(tl.where(before[:, None], G_r[None, :] - G, 0.0)), 0.0)
+        decay_i = tl.where(mine[:, None], tl.exp(tl.where(mine[:, None], G - G_r[None, :], 0.0)), 0.0)
+        out += decay_i * _mm(D_s, b_t, DOT_BF16)
+    for jj in tl.static_range(BC):
+        j = (t // BC) * BC + jj
+        ok = (j <= t) & valid
+        d = tl.sum(tl.where(t[None, :] == j[:, None], D, 0.0), axis=1)  # [BT] D[i, j(i)]
+        b_j = _row_tile(b_ptr, row0 + j * H, ok, c, cm, K)
+        G_j = _row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
+        out += d[:, None] * b_j * tl.exp(tl.where(ok[:, None], G - G_j, float("-inf")))
+    return out
+
+
+@triton.jit
+def _decay_col(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
+               BT: tl.constexpr, BC: tl.constexpr, DOT_BF16: tl.constexpr):
+    """C[j] = sum_{i >= j} D[i, j] b_i exp(G_i - G_j) for the K block c: [BT, BK] fp32.
+
+    Same D and G as `_decay_row`. For columns of sub-chunk s and rows in later sub-chunks the
+    reference is the sub-chunk's last valid row r: exp(G_i - G_r) and exp(G_r - G_j) are <= 1.
+    """
+    rows = row0 + t * H
+    b = _row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    out = tl.zeros(b.shape, dtype=tl.float32)
+    for sc in tl.static_range(0, BT // BC - 1):  # the last sub-chunk has no later rows
+        r = tl.minimum(sc * BC + BC - 1, L - 1)  # a valid row >= every valid column of sc
+        G_r = tl.load(G_ptr + (row0 + r * H) * K + c, mask=cm, other=0.0)  # [BK]
+        mine = (t >= sc * BC) & (t < sc * BC + BC) & valid
+        after = (t >= sc * BC + BC) & valid
+        D_s = tl.where(after[:, None] & mine[None, :], D, 0.0)  # [BT(i), BT(j)]
+        b_t = tl.where(after[:, None], b * tl.exp(tl.where(after[:, None], G - G_r[None, :], 0.0)), 0.0)
+        decay_j = tl.where(mine[:, None], tl.exp(tl.where(mine[:, None], G_r[None, :] - G, 0.0)), 0.0)
+        out += decay_j * _mm(tl.trans(D_s), b_t, DOT_BF16)
+    Dt = tl.trans(D)  # [BT(j), BT(i)]
+    for ii in tl.static_range(BC):
+        i = (t // BC) * BC + ii  # [BT] the row each column pairs with
+        ok = (i >= t) & (i < L) & valid
+        d = tl.sum(tl.where(t[None, :] == i[:, None], Dt, 0.0), axis=1)  # [BT] D[i(j), j]
+        b_i = _row_tile(b_ptr, row0 + i * H, ok, c, cm, K)
+        G_i = _row_tile(G_ptr, row0 + i * H, ok, c, cm, K)
+        out += d[:, None] * b_i * tl.exp(tl.where(ok[:, None], G_i - G, float("-inf")))
+    return out
+
+
+@triton.jit
+def _unit_lower_inverse(A, t, BT: tl.constexpr):
+    """(I + A)^{-1} for a strictly lower triangular [BT, BT] A, by forward substitution:
+    row i of the inverse is e_i - sum_{j < i} A[i, j] (row j), rows taken in order."""
+    inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # [BT, BT]
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(t[:, None] == i, A, 0.0), axis=0)  # [BT] row i of A
+        row = tl.where(t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)  # [BT]
+        inv = tl.where(t[:, None] == i, row[None, :], inv)
+    return inv
