@@ -9,7 +9,9 @@ or evicted for all heads at once):
     weights[b, t] = sum_h exp(scores[b, h, t] - lse[b, h])          for t < seq_len, else 0
 
 `impl="naive"` gathers whole pages (as the naive decode); `impl="triton"` runs one program per
-(sequence, block of tokens), looping over heads, reading rows through the block table.
+(sequence, block of 16 tokens), looping over heads, reading rows through the block table; the
+programs lie on one grid axis (`weights_grid`), so no grid dimension nears CUDA's 65,535 limit on
+y/z at long contexts (4M tokens x 64 sequences is 16.8M programs on x, limit 2^31 - 1).
 
 InfiniGen-style attention runs over the resident pages *and* rows fetched back from the host for
 one step. `dense_attention` gives (o, lse) over such rows, and `merge_attention` combines two
@@ -66,8 +68,10 @@ def _paged_mla_weights_kernel(
     BLOCK_DR: tl.constexpr,
     HAS_ROPE: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    pid = tl.program_id(0).to(tl.int64)  # (sequence, token block), token block fastest: see weights_grid
+    num_tok_blocks = tl.cdiv(W, BLOCK_N)
+    b = pid // num_tok_blocks
+    tok = (pid % num_tok_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] int64
     seq_len = tl.load(seq_lens_ptr + b)
     tok_mask = tok < seq_len
     dc = tl.arange(0, BLOCK_DC)
@@ -102,6 +106,20 @@ def _paged_mla_weights_kernel(
     tl.store(w_ptr + b * W + tok, total, mask=tok < W)
 
 
+# CUDA grid limits: x < 2^31, y and z <= 65535 (a token-block axis on y overflowed past ~1M tokens).
+_MAX_GRID_X = 2**31 - 1
+_WEIGHTS_BLOCK_N = 16
+
+
+def weights_grid(batch: int, width: int, block_n: int = _WEIGHTS_BLOCK_N) -> tuple[int]:
+    """One axis over (sequence, token block): batch * ceil(width / block_n) programs on grid x."""
+    programs = batch * -(-width // block_n)
+    if programs > _MAX_GRID_X:
+        raise ValueError(f"weights grid of {batch} x ceil({width} / {block_n}) = {programs} programs exceeds CUDA's "
+                         f"grid x limit {_MAX_GRID_X}")
+    return (programs,)
+
+
 def _paged_mla_weights_triton(q_lat, q_rope, cache, block_tables, seq_lens, lse, scale, width) -> Tensor:
     B, H, Dc = q_lat.shape
     Dr = q_rope.shape[2]
@@ -109,8 +127,8 @@ def _paged_mla_weights_triton(q_lat, q_rope, cache, block_tables, seq_lens, lse,
     out = torch.empty(B, width, dtype=torch.float32, device=q_lat.device)
     if B == 0 or width == 0:
         return out
-    block_n = 16
-    _paged_mla_weights_kernel[(B, triton.cdiv(width, block_n))](
+    block_n = _WEIGHTS_BLOCK_N
+    _paged_mla_weights_kernel[weights_grid(B, width, block_n)](
         q_lat.contiguous(), q_rope.contiguous(), cache, block_tables, seq_lens, lse.float().contiguous(), out,
         float(scale), H, Dc, Dr, width, cache.shape[1], cache.stride(0), cache.stride(1), cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),

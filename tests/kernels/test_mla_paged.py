@@ -135,6 +135,100 @@ def test_triton_peaked_softmax():
     assert rel_err(got, expected) <= TOL
 
 
+# Split-KV decode (one program per sequence x split x 64-head tile, 64-token tiles): odd head
+# counts (3 -> one 16-head tile, 20 -> one 32-head tile, 70 -> two 64-head tiles), mixed lengths
+# around the tile size, pages shorter than, equal to and longer than a tile, forced split counts
+# whose trailing splits hold no token of the shorter (or of any) sequence.
+SPLIT_LENS = [1, 17, 63, 65, 200]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    "H, block_tokens, num_splits, max_seq_len",
+    [
+        (3, 16, None, None), (3, 64, 1, 200), (3, 64, 5, 200), (3, 32, 5, None),
+        (20, 16, 2, 200), (20, 64, None, 200), (20, 16, 5, None), (20, 128, 2, 200),
+        (70, 64, 2, 200), (70, 16, 1, None), (70, 64, 5, None), (70, 16, None, 200),
+    ],
+)
+def test_triton_split_kv_matches_naive(H, block_tokens, num_splits, max_seq_len):
+    q_lat, q_rope, cache, tables, lens, _ = make_paged(
+        SPLIT_LENS, H=H, Dc=32, Dr=16, block_tokens=block_tokens, seed=H + block_tokens
+    )  # every slot no sequence owns is NaN: reading one would poison its heads
+    o_n, lse_n = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, return_lse=True)
+    o_t, lse_t = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, return_lse=True, impl="triton",
+                                  check=False, max_seq_len=max_seq_len, num_splits=num_splits)
+    assert o_t.dtype == o_n.dtype and lse_t.shape == lse_n.shape == (len(SPLIT_LENS), H)
+    assert torch.isfinite(o_t).all() and torch.isfinite(lse_t).all()
+    err_o, err_lse = rel_err(o_t, o_n), rel_err(lse_t, lse_n)
+    print(f"H={H} block_tokens={block_tokens} num_splits={num_splits}: rel err o {err_o:.2e}, lse {err_lse:.2e}")
+    assert err_o <= TOL and err_lse <= TOL
+
+
+@pytest.mark.triton
+def test_split_partials_past_the_end_weigh_nothing():
+    # Forced 5 splits of 64 tokens over lengths up to 200: split s holds tokens [64 s, 64 s + 64).
+    # Splits at or past a sequence's end must give o = 0, lse = -inf; merging all partials with
+    # the combine's torch twin (merge_attention) must give the naive result.
+    from kernels.mla.paged import _decode_partials
+    from kernels.mla.split_kv import combine_splits_naive, plan_splits
+
+    H, Dc = 3, 32
+    q_lat, q_rope, cache, tables, lens, _ = make_paged(SPLIT_LENS, H=H, Dc=Dc, Dr=16, block_tokens=16, seed=4)
+    plan = plan_splits(len(SPLIT_LENS), H, 200, 16, num_splits=5)
+    assert plan.split_len == 64
+    part_o = torch.full((len(SPLIT_LENS), 5, H, Dc), float("nan"))  # [B, S, H, Dc]: all must be written
+    part_lse = torch.full((len(SPLIT_LENS), 5, H), float("nan"))  # [B, S, H]
+    _decode_partials(q_lat, q_rope, cache, tables, lens, 0.3, plan, part_o, part_lse)
+    for b, seq_len in enumerate(SPLIT_LENS):
+        used = -(-seq_len // 64)
+        assert torch.isfinite(part_lse[b, :used]).all() and torch.isfinite(part_o[b, :used]).all(), b
+        assert torch.all(part_lse[b, used:] == float("-inf")) and torch.all(part_o[b, used:] == 0), b
+    o, lse = combine_splits_naive(part_o, part_lse)
+    o_n, lse_n = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, return_lse=True)
+    assert rel_err(o, o_n) <= TOL and rel_err(lse, lse_n) <= TOL
+
+
+@pytest.mark.triton
+def test_triton_short_max_seq_len_still_covers_every_token():
+    # The splits are planned from max_seq_len; a value below the true longest length must not
+    # drop tokens (the last split runs to each sequence's end). check=True rejects it outright.
+    q_lat, q_rope, cache, tables, lens, _ = make_paged([65, 200], H=3, Dc=32, Dr=16, block_tokens=16, seed=5)
+    expected = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3)
+    got = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="triton", check=False,
+                           max_seq_len=70, num_splits=2)
+    assert rel_err(got, expected) <= TOL
+    with pytest.raises(ValueError, match="seq_len 200 exceeds the max_seq_len=70 given"):
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="triton", max_seq_len=70)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_bf16_cache_on_gpu_without_host_sync():
+    # The bf16 path (bf16 x bf16 dots, fp32 accumulation) cannot be checked under the interpreter
+    # (its bf16 tl.dot is wrong). Reference: the naive path on the same bf16 cache and queries
+    # rounded to bf16 as the kernel rounds them; the gap left is p rounded to bf16 in p @ c_kv.
+    # At 64 heads x 512 + 64 (the real width); no host sync with check=False and max_seq_len.
+    q_lat, q_rope, cache, tables, lens, _ = make_paged(
+        [1, 63, 65, 200, 1000], H=64, Dc=512, Dr=64, block_tokens=64, fill=0.0
+    )
+    cache = cache.to(torch.bfloat16)
+    q_lat, q_rope = q_lat / 8, q_rope / 8  # keep the softmax from collapsing onto one token
+    expected = paged_mla_decode(q_lat.bfloat16().float(), q_rope.bfloat16().float(), cache, tables, lens,
+                                scale=0.3)
+    for num_splits in (None, 1, 3):
+        # The first launch per shape autotunes (it times configs: host syncs); later ones must not.
+        paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="triton", num_splits=num_splits)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=0.3, impl="triton", check=False,
+                                   max_seq_len=1000, num_splits=num_splits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel_err(got, expected) <= 1e-2, num_splits
+
+
 def test_inputs_not_mutated():
     q_lat, q_rope, cache, tables, lens, _ = make_paged([5, 9])
     before = [x.clone() for x in (q_lat, q_rope, cache, tables, lens)]

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from kernels.mla.paged import paged_mla_decode
-from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights
+from kernels.mla.split_kv import MAX_GRID_X, MAX_GRID_YZ
+from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights, weights_grid
 from tests.kernels.test_mla_paged import make_paged, rel_err
+
+
+TOKENS_4M = 4 * 1024 * 1024 + 17
 
 
 def explicit_weights(q_lat, q_rope, kv_per_seq, scale):
@@ -43,9 +47,10 @@ def test_triton_weights_and_lse_match_naive(Dr, Dc, H):
     o_n, lse_n = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, return_lse=True)
     o_t, lse_t = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, return_lse=True, impl="triton")
     assert rel_err(o_t, o_n) <= 1e-5 and rel_err(lse_t, lse_n) <= 1e-5
-    w_n = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse_n, scale=scale, width=32)
-    w_t = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse_n, scale=scale, width=32, impl="triton")
-    assert rel_err(w_t, w_n) <= 1e-5 and torch.all(w_t[:, 30:] == 0)
+    for width in (32, 37):  # 2 and 3 token blocks of 16 per sequence on the one grid axis
+        w_n = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse_n, scale=scale, width=width)
+        w_t = paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse_n, scale=scale, width=width, impl="triton")
+        assert rel_err(w_t, w_n) <= 1e-5 and torch.all(w_t[:, 30:] == 0), width
 
 
 def test_merge_equals_one_softmax_over_the_union():
@@ -71,3 +76,13 @@ def test_weights_with_a_larger_lse_are_relative_to_the_union():
     torch.testing.assert_close(w.sum(1), torch.full((2,), 1.0))
     with pytest.raises(ValueError, match=r"lse shape \(2,\) must be \[B, H\]"):
         paged_mla_weights(q_lat, q_rope, cache, tables, lens, lse[:, 0], scale=0.5)
+
+
+def test_weights_grid_at_4m_tokens():
+    # Token blocks used to be grid axis y: past 65,535 blocks of 16 (~1M tokens) CUDA refused the launch.
+    assert -(-TOKENS_4M // 16) > MAX_GRID_YZ
+    for batch in (1, 64, 1024):
+        (programs,) = weights_grid(batch, TOKENS_4M)
+        assert programs == batch * -(-TOKENS_4M // 16) <= MAX_GRID_X
+    with pytest.raises(ValueError, match=r"weights grid of 1024 x ceil\(33554432 / 16\) .* exceeds"):
+        weights_grid(1024, 32 * 2**20)
