@@ -1,6 +1,7 @@
-"""Chunked KDA prefill: the Triton kernel (16-token segments) must match the naive chunked
-form (64-token chunks) in outputs, final state and the states at requested positions, at
-odd lengths, with and without an initial state, under strong and slow decay."""
+"""Chunked KDA: the Triton kernels (64-token chunks, 16-token sub-chunks) must match the naive
+chunked form in outputs, final state and the states at requested positions, and their backward
+must match autograd through the naive form in every gradient, at odd lengths and head counts,
+with and without an initial state, under strong and slow decay (fp32, <= 1e-5 relative)."""
 
 import pytest
 import torch
@@ -36,16 +37,16 @@ def make_inputs(B=2, T=19, H=2, K=24, V=40, *, seed=0, with_state=True, strong_d
     return (*moved, None if h0 is None else h0.to(DEVICE))
 
 
-def check_triton_matches_naive(T, positions, *, with_state, strong_decay, K=24, V=40, seed=0):
+def check_triton_matches_naive(T, positions, *, with_state, strong_decay, K=24, V=40, H=2, seed=0):
     q, k, v, g, beta, h0 = make_inputs(
-        T=T, K=K, V=V, seed=seed, with_state=with_state, strong_decay=strong_decay
+        T=T, H=H, K=K, V=V, seed=seed, with_state=with_state, strong_decay=strong_decay
     )
     h0_before = None if h0 is None else h0.clone()
     kw = dict(initial_state=h0, state_positions=positions)
     o_n, s_n, ps_n = chunk_kda(q, k, v, g, beta, impl="naive", **kw)
     o_t, s_t, ps_t = chunk_kda(q, k, v, g, beta, impl="triton", **kw)
     assert (o_t.shape, o_t.dtype) == (o_n.shape, o_n.dtype)
-    assert ps_t.shape == ps_n.shape == (2, len(positions), 2, K, V)
+    assert ps_t.shape == ps_n.shape == (2, len(positions), H, K, V)
     if T > 0:
         assert rel_err(o_t, o_n) <= TOL
     assert rel_err(s_t, s_n) <= TOL
@@ -59,12 +60,12 @@ def check_triton_matches_naive(T, positions, *, with_state, strong_decay, K=24, 
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("T", [1, 7, 19, 33])
-@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("T, with_state", [(1, False), (17, True), (63, True), (65, False), (200, True)])
 def test_triton_matches_naive(T, with_state):
-    # 0, T, a point mid-segment, a segment boundary (16) and the token after it.
-    positions = sorted({0, T, T // 2, min(T, 16), min(T, 17)})
-    check_triton_matches_naive(T, positions, with_state=with_state, strong_decay=True)
+    # 0, T, a point mid-chunk, a sub-chunk boundary (16), a chunk boundary (64) and the token
+    # after it; 3 heads (not a power of two).
+    positions = sorted({0, T, T // 2, min(T, 16), min(T, 64), min(T, 65)})
+    check_triton_matches_naive(T, positions, with_state=with_state, strong_decay=True, H=3)
 
 
 @pytest.mark.triton
@@ -82,14 +83,54 @@ def test_triton_matches_naive_slow_decay(T, positions, K, V):
 
 @pytest.mark.triton
 def test_triton_matches_naive_chunk_len_16():
-    # The naive path cut at the same points as the Triton one: agreement is not an accident
-    # of chunk_len.
+    # The naive path cut at other points than the Triton one (16 vs 64): agreement is not an
+    # accident of the cut.
     q, k, v, g, beta, h0 = make_inputs(T=33, seed=4)
     kw = dict(initial_state=h0, state_positions=(3, 16, 30))
     o_n, s_n, ps_n = naive_chunk_kda(q, k, v, g, beta, chunk_len=16, **kw)
     o_t, s_t, ps_t = chunk_kda(q, k, v, g, beta, impl="triton", **kw)
     for got, expected in ((o_t, o_n), (s_t, s_n), (ps_t, ps_n)):
         assert rel_err(got, expected) <= TOL
+
+
+def grads_of(impl, inputs, positions, weights):
+    """Gradients of sum(o * do) + sum(final * dfinal) + sum(position_states * dpos) w.r.t.
+    (q, k, v, g, beta, h0); a weight of None leaves that output out of the loss."""
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    h0 = leaves[5] if len(leaves) > 5 else None
+    o, final, pos = chunk_kda(*leaves[:5], initial_state=h0, state_positions=positions, impl=impl)
+    loss = sum((out * w).sum() for out, w in zip((o, final, pos), weights) if w is not None)
+    loss.backward()
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("T", [1, 17, 63, 65, 200])
+def test_triton_backward_matches_naive_autograd(T):
+    # Every gradient, including the initial state's, with the loss reading o, the final state and
+    # the states at positions (0 and a chunk boundary among them); 3 heads; slow decay at T=65.
+    inputs = make_inputs(T=T, H=3, seed=T, strong_decay=T != 65)
+    positions = sorted({0, T // 3, min(T, 64), T})
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(2, T, 3, 40, generator=gen), torch.randn(2, 3, 24, 40, generator=gen),
+               torch.randn(2, len(positions), 3, 24, 40, generator=gen)]
+    expected = grads_of("naive", inputs, positions, weights)
+    got = grads_of("triton", inputs, positions, weights)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) <= TOL, (name, rel_err(a, b))
+
+
+@pytest.mark.triton
+def test_triton_backward_through_outputs_only():
+    # Only o in the loss (the training path): the unused outputs' gradients arrive as zeros;
+    # without an initial state there is no h0 gradient.
+    q, k, v, g, beta, _ = make_inputs(T=70, H=1, K=16, V=16, seed=3)
+    do = torch.randn(2, 70, 1, 16, generator=torch.Generator().manual_seed(2))
+    got = grads_of("triton", (q, k, v, g, beta), (), (do, None, None))
+    expected = grads_of("naive", (q, k, v, g, beta), (), (do, None, None))
+    for a, b in zip(got, expected):
+        assert rel_err(a, b) <= TOL
 
 
 def test_naive_impl_is_naive_chunk_kda():
