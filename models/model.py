@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.kda.naive import naive_chunk_kda
+from kernels.kda.chunk import chunk_kda
 from models.config import ModelConfig
 from models.kda import KDALayer
 from models.mla import MLALayer, causal_attention
@@ -300,7 +300,11 @@ class PackedMixer:
     ones to its length. Built from lengths alone: its index tensors follow the hidden states'
     device (made on first use there)."""
 
-    def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22, keep_attention: bool = False) -> None:
+    def __init__(self, batch: SegmentBatch, max_score_elements: int = 1 << 22, keep_attention: bool = False,
+                 kda_impl: str | None = None) -> None:
+        """kda_impl: the chunk_kda kernel ("naive" | "triton"); None picks Triton for CUDA tensors
+        (its Triton backward is the autograd of training) and the torch twin elsewhere."""
+        self.kda_impl = kda_impl
         if any(batch.starts):
             raise ValueError(f"PackedMixer needs sequences starting at position 0, got starts {batch.starts}")
         lens, offsets = batch.new_lens, batch.offsets
@@ -370,7 +374,8 @@ class PackedMixer:
         for b in self.buckets:
             tails = mixed.new_zeros(b.num, layer.kernel - 1, mixed.shape[-1])
             q, k, v, _ = layer.short_conv(b.pad(mixed), tails)
-            o, _, _ = naive_chunk_kda(q, k, v, b.pad(g), b.pad(beta), chunk_len=min(64, b.width))
+            impl = self.kda_impl or ("triton" if q.is_cuda else "naive")
+            o, _, _ = chunk_kda(q, k, v, b.pad(g), b.pad(beta), chunk_len=min(64, b.width), impl=impl)
             parts.append(b.unpad(o))
         return layer.output(self._gather(parts), gate)
 

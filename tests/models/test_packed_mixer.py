@@ -47,3 +47,28 @@ def test_one_long_sequence_does_not_pad_the_short_ones():
     mixer = PackedMixer(SegmentBatch(new_lens=[2] * 50 + [100], starts=[0] * 51))
     assert [b.width for b in mixer.buckets] == [100, 2] and mixer.buckets[0].num <= 2
     assert sum(b.num * b.width for b in mixer.buckets) <= 2 * 200  # padded <= 2x the real tokens
+
+
+@pytest.mark.triton
+def test_triton_kda_training_path_matches_the_torch_twin():
+    # The training forward and backward with chunk_kda's Triton kernels (their backward is the
+    # autograd) against the torch path run in float64: the output and every parameter's gradient are within the
+    # fp32 torch path's own rounding (x2, floor 1e-5 relative), lengths across a 64-token chunk.
+    # (The gate parameters' gradients sum dg over every token: fp32 torch itself is 6e-5 off there.)
+    cfg = load_model_config("configs/model/tiny.yaml")
+    lens = [70, 9]
+    ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(4))
+    batch = SegmentBatch(new_lens=lens, starts=[0] * len(lens))
+    weight = torch.randn(sum(lens), cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for impl, dtype in (("naive", torch.float64), ("naive", torch.float32), ("triton", torch.float32)):
+        model = HybridLM(cfg).init_weights(seed=5, std=0.1).to(dtype)
+        out = model.run_layers(ids, PackedMixer(batch, kda_impl=impl))
+        (out * weight.to(dtype)).sum().backward()
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        runs[impl, dtype] = {"output": out.detach().double(), **grads}
+    ref = runs["naive", torch.float64]
+    assert any("A_log" in n for n in ref), "the KDA gate parameters must be in the loss"
+    for name, b in ref.items():
+        err = {key: ((run[name] - b).norm() / b.norm()).item() for key, run in runs.items()}
+        assert err["triton", torch.float32] <= max(2 * err["naive", torch.float32], 1e-5), (name, err)
