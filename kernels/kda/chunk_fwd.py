@@ -35,7 +35,7 @@ BT = 64  # tokens per segment
 BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
 
 
-@triton.jit(do_not_specialize=["NS"])
+@triton.jit(do_not_specialize=["NS", "T"])
 def _cumsum_kernel(g_ptr, G_ptr, seg_ptr, NS, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
     s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -49,7 +49,7 @@ def _cumsum_kernel(g_ptr, G_ptr, seg_ptr, NS, T, H, K, BT: tl.constexpr, BK: tl.
     tl.store(G_ptr + rows[:, None] * K + c[None, :], G, mask=valid[:, None] & cm[None, :])
 
 
-@triton.jit(do_not_specialize=["NS"])
+@triton.jit(do_not_specialize=["NS", "T"])
 def _intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
                   ai_ptr, aqk_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr,
                   scale, NS, T, H, K, V,
