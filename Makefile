@@ -49,6 +49,12 @@ apt:
 		echo "installing g++ (fused CPU kernels, DeepSpeed ops)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; \
 	else echo "warning: g++ is missing and we are not root: the fused CPU kernels fall back to impl=naive"; fi
+	@if command -v shellcheck >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing shellcheck (tests/tools/test_gpu_check.py lints tools/gpu_check.sh)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null || \
+		echo "warning: shellcheck could not be installed: its test is skipped"; \
+	else echo "warning: shellcheck is missing and we are not root: tools/gpu_check.sh is checked with bash -n only"; fi
 
 clean:
 	rm -rf $(VENV) .cache outputs runs

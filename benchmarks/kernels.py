@@ -6,9 +6,14 @@
 Without CUDA it times only the torch paths (the Triton ones are checked under the interpreter by
 `pytest -m triton`), unless TRITON_INTERPRET=1 is set (then `--small` checks this script end to end). Sizes follow Kimi-Linear-48B: KDA 32 heads of 128x128, MLA latent 512 + 64
 rope dims over 32 heads, pages of `--block-tokens` tokens. Final line:
-kda_decode_speedup=... mla_decode_speedup=... mla_weights_speedup=... kda_chunk_speedup=... max_rel_err=...
-(torch time / Triton time: > 1 means the Triton kernel is faster). On CPU the fused C++ KDA decode
-(`impl="cpu"`) is timed against torch too: kda_decode_cpu_speedup=....
+kda_decode_speedup=... mla_decode_speedup=... mla_weights_speedup=... kda_chunk_speedup=...
+kda_chunk_bwd_speedup=... max_rel_err=...
+(torch time / Triton time: > 1 means the Triton kernel is faster; the backward figure is forward +
+backward through autograd). On CPU the fused C++ KDA decode (`impl="cpu"`) is timed against torch
+too: kda_decode_cpu_speedup=.... On CUDA, with the anchors importable (the `[gpu]` extra, in an
+environment of its own: benchmarks/baselines.py), also anchor time / our time on the same inputs:
+kda_decode_vs_fla=... kda_chunk_vs_fla=... kda_chunk_bwd_vs_fla=... mla_decode_vs_flashinfer=...
+(bf16 inputs for FlashInfer, whose MLA takes fp16/bf16 only).
 """
 from __future__ import annotations
 
@@ -62,9 +67,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Under TRITON_INTERPRET=1 (CPU) the Triton side runs too: slow, but it checks this script.
     impls = ("naive", "triton") if native or os.environ.get("TRITON_INTERPRET") == "1" else ("naive",)
     run = _Run(args, device, impls, gen, randn)
+    if native:
+        from benchmarks.baselines import availability
+
+        run.anchors = availability()
+        print("anchors: " + ", ".join(f"{k}: {v}" for k, v in run.anchors.items()))
     _kda_decode(run)
     _mla_decode_and_weights(run)
     _kda_chunk(run)
+    _kda_chunk_backward(run)
     if "triton" not in impls:
         print("no CUDA device: torch paths timed only (Triton checked under the interpreter by pytest -m triton)")
     figures = run.figures
@@ -85,6 +96,11 @@ class _Run:
     randn: Callable[..., torch.Tensor]
     figures: dict[str, float] = field(default_factory=dict)
     errors: list[float] = field(default_factory=list)
+    anchors: dict[str, str] = field(default_factory=dict)
+    """name -> "<dist> <version>" or "unavailable: ..." (benchmarks/baselines.py), CUDA only."""
+
+    def has(self, anchor: str) -> bool:
+        return self.with_triton and self.anchors.get(anchor, "unavailable").split(":")[0] != "unavailable"
 
     @property
     def with_triton(self) -> bool:
@@ -121,6 +137,17 @@ def _kda_decode(run: _Run) -> None:
     if "cpu" in outs:
         errors.append(rel_err(outs["cpu"], outs["naive"]))
         figures["kda_decode_cpu_speedup"] = times["naive"] / times["cpu"]
+    if run.has("fla"):
+        from benchmarks.baselines import fla_decode
+
+        gathered, work = state[pages], state.clone()  # [B, H, K, V]: fla takes states by sequence, not page
+        errors.append(rel_err(fla_decode(q, k, v, g, beta, gathered.clone(), scale=K ** -0.5)[0], outs["naive"]))
+        # both without the per-call copy of the timings above (the states evolve; the work does not change)
+        fla_s = bench(lambda: fla_decode(q, k, v, g, beta, gathered, scale=K ** -0.5), device, args.repeats)
+        ours_s = bench(lambda: kda_decode_step(q, k, v, g, beta, work, pages, impl="triton", check=False), device,
+                       args.repeats)
+        print(f"kda_decode in place: triton {ours_s * 1e3:.3f} ms, fla fused_recurrent_kda {fla_s * 1e3:.3f} ms")
+        figures["kda_decode_vs_fla"] = fla_s / ours_s
 
 
 def _mla_decode_and_weights(run: _Run) -> None:
@@ -144,6 +171,8 @@ def _mla_decode_and_weights(run: _Run) -> None:
     if with_triton:
         errors.append(rel_err(outs["triton"], outs["naive"]))
         figures["mla_decode_speedup"] = times["naive"] / times["triton"]
+    if run.has("flashinfer"):
+        _flashinfer(run, q_lat, q_rope, cache, tables, lens, scale)
 
     # Attention weight per cached token (token eviction's scores), from the decode's lse.
     _, lse = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, return_lse=True)
@@ -177,6 +206,66 @@ def _kda_chunk(run: _Run) -> None:
     if with_triton:
         errors += [rel_err(a, b) for a, b in zip(outs["triton"], outs["naive"])]
         figures["kda_chunk_speedup"] = times["naive"] / times["triton"]
+    if run.has("fla"):
+        from benchmarks.baselines import fla_chunk
+
+        o_fla, s_fla = fla_chunk(q, k, v, g, beta, scale=K ** -0.5, initial_state=None)
+        errors += [rel_err(o_fla, outs["naive"][0]), rel_err(s_fla, outs["naive"][1])]
+        fla_s = bench(lambda: fla_chunk(q, k, v, g, beta, scale=K ** -0.5, initial_state=None), device,
+                      max(1, args.repeats // 3))
+        print(f"kda_chunk fla chunk_kda {fla_s * 1e3:.1f} ms (no position states: fla emits none)")
+        figures["kda_chunk_vs_fla"] = fla_s / times["triton"]
+
+
+def _flashinfer(run: _Run, q_lat, q_rope, cache, tables, lens, scale: float) -> None:
+    """Our Triton decode vs FlashInfer's MLA paged decode, both on bf16 copies of the inputs."""
+    from benchmarks.baselines import FlashInferMLADecode
+
+    q_lat, q_rope, cache = (x.to(torch.bfloat16) for x in (q_lat, q_rope, cache))
+    ref = paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, impl="naive")
+    fi = FlashInferMLADecode(cache, tables, lens, num_heads=q_lat.shape[1], latent_dim=q_lat.shape[2], scale=scale,
+                             q_dtype=q_lat.dtype)
+    print(f"mla_decode bf16: FlashInfer rel. err {rel_err(fi(q_lat, q_rope), ref):.2e} (vs the torch path)")
+    ours = bench(lambda: paged_mla_decode(q_lat, q_rope, cache, tables, lens, scale=scale, impl="triton", check=False),
+                 run.device, run.args.repeats)
+    theirs = bench(lambda: fi(q_lat, q_rope), run.device, run.args.repeats)
+    print(f"mla_decode bf16: triton {ours * 1e3:.3f} ms, FlashInfer {theirs * 1e3:.3f} ms")
+    run.figures["mla_decode_vs_flashinfer"] = theirs / ours
+
+
+def _grads(q, k, v, g, beta, d_o, impl: str, chunk=None) -> tuple[torch.Tensor, ...]:
+    """d<o, d_o>/d(q, k, v, g, beta) through chunk_kda(impl) (or `chunk`, a callable with its signature)."""
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v, g, beta))
+    o = (chunk or (lambda *a: chunk_kda(*a, impl=impl)[0]))(*leaves)
+    return torch.autograd.grad((o.float() * d_o).sum(), leaves)
+
+
+def _kda_chunk_backward(run: _Run) -> None:
+    args, device, randn = run.args, run.device, run.randn
+    H, K, _, _, T, *_ = run.shapes
+    T = min(T, 1024) if not args.small else 40  # the torch side keeps a graph per 64-token segment
+    q, k = F.normalize(randn(1, T, H, K), dim=-1), F.normalize(randn(1, T, H, K), dim=-1)
+    v, g, beta = randn(1, T, H, K), F.logsigmoid(randn(1, T, H, K)), torch.sigmoid(randn(1, T, H))
+    d_o = randn(1, T, H, K)  # [1, T, H, V], V = K
+    grads, times = {}, {}
+    for impl in run.impls:
+        grads[impl] = _grads(q, k, v, g, beta, d_o, impl)
+        times[impl] = bench(lambda: _grads(q, k, v, g, beta, d_o, impl), device, max(1, args.repeats // 3))
+    print(f"kda_chunk forward+backward T={T} H={H} K=V={K}: "
+          + ", ".join(f"{i} {t * 1e3:.1f} ms" for i, t in times.items()))
+    if run.with_triton:
+        run.errors += [rel_err(a, b) for a, b in zip(grads["triton"], grads["naive"])]
+        run.figures["kda_chunk_bwd_speedup"] = times["naive"] / times["triton"]
+    if run.has("fla"):
+        from benchmarks.baselines import fla_chunk
+
+        def fla(*a):
+            return fla_chunk(*a, scale=K ** -0.5, initial_state=None)[0]
+
+        run.errors += [rel_err(a, b) for a, b in zip(_grads(q, k, v, g, beta, d_o, "", fla), grads["naive"])]
+        fla_s = bench(lambda: _grads(q, k, v, g, beta, d_o, "", fla), device, max(1, args.repeats // 3))
+        print(f"kda_chunk forward+backward fla chunk_kda {fla_s * 1e3:.1f} ms")
+        run.figures["kda_chunk_bwd_vs_fla"] = fla_s / times["triton"]
 
 
 if __name__ == "__main__":
