@@ -203,9 +203,15 @@ install_fresh() {  # python3.11 venv with CUDA torch and the project, as the Mak
     (as_root_apt libaio-dev g++ >"$SCRATCH/apt.log" 2>&1 || echo "apt: libaio-dev/g++ not installed" >>"$SCRATCH/apt.log") &
     APT_PID=$!; BG_PIDS+=("$APT_PID")
   fi
-  "$py311" -m venv "$SCRATCH/venv" || return 1
+  if ! "$py311" -m venv "$SCRATCH/venv"; then  # Debian splits ensurepip into python3.11-venv
+    if ! { as_root_apt python3.11-venv && "$py311" -m venv --clear "$SCRATCH/venv"; }; then
+      echo "cannot make a python3.11 venv (python3.11-venv missing?)"; return 1
+    fi
+  fi
   PY=$SCRATCH/venv/bin/python
   printf 'torch==2.13.0\ntriton==3.7.1\n' >"$SCRATCH/constraints.txt"
+  # few retries, short timeouts: without a registry, fail in seconds rather than minutes
+  export PIP_RETRIES=2 PIP_TIMEOUT=30
   timeout 150 "$PY" -m pip install -q -c "$SCRATCH/constraints.txt" torch==2.13.0 || { echo "torch install failed"; return 1; }
   timeout 80 "$PY" -m pip install -q -c "$SCRATCH/constraints.txt" -e '.[dev]' || { echo "project install failed"; return 1; }
 }
