@@ -113,11 +113,27 @@ def assert_resume_reproduces(straight: Path, crashed: Path, *extra: str) -> None
         [m["reward_mean"] for m in records(straight / "metrics.jsonl")]
 
 
-@pytest.mark.slow
-def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = cli(straight)
+def straight_run(tmp_path_factory, *extra: str) -> Path:
+    """The uninterrupted run every kill/resume case compares with (one per module and settings)."""
+    straight = tmp_path_factory.mktemp("straight")
+    done = cli(straight, *extra)
     assert done.returncode == 0, done.stderr[-2000:]
+    return straight
+
+
+@pytest.fixture(scope="module")
+def straight_plain(tmp_path_factory) -> Path:
+    return straight_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight_spilled(tmp_path_factory) -> Path:
+    return straight_run(tmp_path_factory, "memory.spill_dir=spill")
+
+
+@pytest.mark.slow
+def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path, straight_plain):
+    straight, crashed = straight_plain, tmp_path / "crashed"
     killed = cli(crashed, fault="train:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (crashed / "checkpoints" / "latest").read_text() == "iter_000000"
@@ -134,15 +150,13 @@ def test_kill_during_train_then_resume_reproduces_the_uninterrupted_run(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["rollout:1", "offload:1"])
-def test_kill_with_states_spilled_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault):
+def test_kill_with_states_spilled_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault, straight_spilled):
     """memory.spill_dir on: killed while the optimizer states sit on disk (rollout: stale spill files
     left behind) or just after they were read back and updated (offload: nothing on disk), the
     resumed run starts from the last checkpoint and ends with the uninterrupted run's weights and
     rewards."""
     spill = ("memory.spill_dir=spill",)
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = cli(straight, *spill)
-    assert done.returncode == 0, done.stderr[-2000:]
+    straight, crashed = straight_spilled, tmp_path / "crashed"
     killed = cli(crashed, *spill, fault=fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = list((crashed / "spill").rglob("*.spill"))  # in the run's subdirectory, one store per rank
@@ -177,14 +191,13 @@ def test_token_eviction_runs_in_the_loop(tmp_path, monkeypatch):
     ("checkpoint_written:1", 0),  # inside save_iteration: written and fsynced, not yet renamed
     ("checkpoint_published:1", 1),  # inside save_iteration: `latest` moved, older ones not yet retired
 ])
-def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault, latest):
+def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_run(tmp_path, fault, latest,
+                                                                                  straight_spilled):
     """kill -9 as each remaining phase starts (train, rollout and offload: the tests above) and at
     the two points inside the checkpoint, with the optimizer states spilled: the resume continues
     from the last published checkpoint and ends with the uninterrupted run's weights and rewards."""
     spill = ("memory.spill_dir=spill",)
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = cli(straight, *spill)
-    assert done.returncode == 0, done.stderr[-2000:]
+    straight, crashed = straight_spilled, tmp_path / "crashed"
     killed = cli(crashed, *spill, fault=fault)
     assert killed.returncode == -signal.SIGKILL, f"{fault} never fired: " + killed.stderr[-2000:]
     assert (crashed / "checkpoints" / "latest").read_text() == f"iter_{latest:06d}"
