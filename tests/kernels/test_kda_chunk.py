@@ -104,21 +104,44 @@ def grads_of(impl, inputs, positions, weights):
     return [x.grad for x in leaves]
 
 
+def recurrent_float64(q, k, v, g, beta, h0, positions):
+    """KDA token by token in float64 (naive_recurrent_kda's math without its fp32 casts): the
+    gradients' ground truth, since both fp32 paths round a gate gradient summed over a chunk."""
+    scale = q.shape[-1] ** -0.5
+    S, outs = h0, []
+    states = [S] if 0 in positions else []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp().unsqueeze(-1)
+        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))  # [B, H, V]
+        S = S + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", scale * q[:, t], S))
+        if t + 1 in positions:
+            states.append(S)
+    return torch.stack(outs, 1), S, torch.stack(states, 1)
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("T", [1, 17, 63, 65, 200])
 def test_triton_backward_matches_naive_autograd(T):
     # Every gradient, including the initial state's, with the loss reading o, the final state and
     # the states at positions (0 and a chunk boundary among them); 3 heads; slow decay at T=65.
-    inputs = make_inputs(T=T, H=3, seed=T, strong_decay=T != 65)
+    B = 2 if T == 17 else 1  # two sequences once (batch offsets), one elsewhere (interpreter time)
+    inputs = make_inputs(B=B, T=T, H=3, seed=T, strong_decay=T != 65)
     positions = sorted({0, T // 3, min(T, 64), T})
     gen = torch.Generator().manual_seed(1)
-    weights = [torch.randn(2, T, 3, 40, generator=gen), torch.randn(2, 3, 24, 40, generator=gen),
-               torch.randn(2, len(positions), 3, 24, 40, generator=gen)]
-    expected = grads_of("naive", inputs, positions, weights)
+    weights = [torch.randn(B, T, 3, 40, generator=gen), torch.randn(B, 3, 24, 40, generator=gen),
+               torch.randn(B, len(positions), 3, 24, 40, generator=gen)]
+    leaves = [x.double().requires_grad_(True) for x in inputs]
+    outputs = recurrent_float64(*leaves, positions)
+    sum((out * w.double()).sum() for out, w in zip(outputs, weights)).backward()
+    naive = grads_of("naive", inputs, positions, weights)
     got = grads_of("triton", inputs, positions, weights)
-    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), got, expected):
+    for name, a, b, truth in zip(("q", "k", "v", "g", "beta", "h0"), got, naive, leaves):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert rel_err(a, b) <= TOL, (name, rel_err(a, b))
+        # Both fp32 paths within 1e-5 of the float64 truth (the Triton one is as close as the twin:
+        # dg sits at 5e-6 for both at T=200), and within 2e-5 of each other.
+        assert rel_err(a, truth.grad) <= TOL and rel_err(b, truth.grad) <= TOL, (name, rel_err(a, truth.grad))
+        assert rel_err(a, b) <= 2 * TOL, (name, rel_err(a, b))
 
 
 @pytest.mark.triton
