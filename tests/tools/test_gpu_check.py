@@ -61,7 +61,7 @@ def test_python_sections_run_on_cpu_and_write_their_figures(tmp_path):
     assert sections["kda_decode"]["figures"]["other_pages_untouched_fp32"] is True
     found = sections["env"]["figures"]["kernels"]
     for kernel in ("kda.chunk.kda_chunk_intra", "kda.chunk.kda_chunk_grad", "kda.decode._kda_decode_kernel",
-                   "mla.paged._paged_mla_decode_kernel", "mla.weights._paged_mla_weights_kernel"):
+                   "mla.paged.mla_decode", "mla.paged.mla_decode_combine", "mla.weights._paged_mla_weights_kernel"):
         assert kernel in found
     assert sections["env"]["figures"]["anchors_importable_here"]["fla"].startswith("unavailable")
     assert sections["compile_stats"]["figures"]["kernels"] == found
@@ -85,7 +85,7 @@ def test_summary_says_pass_fail_and_why_a_figure_is_missing():
         mla_decode=("ok", "", {"hbm_fraction_bf16_B64_ctx8192": 0.55, "err_o_fp32_B64_ctx8192": 2e-7}),
         rl_run=("running", "", {}),
         compile_stats=("ok", "", {"specializations_kda.chunk.kda_chunk_intra": 1,
-                                  "specializations_mla.paged._paged_mla_decode_kernel": 4}))
+                                  "specializations_mla.paged.mla_decode": 4}))
     lines = summarize(results)
     assert lines[0] == "RUN gpu=NVIDIA H200 torch=2.13.0"
     assert lines[1].startswith("PASS     kda_chunk_vs_fla: 0.95 (need >= 0.9)")
