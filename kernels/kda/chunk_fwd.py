@@ -9,7 +9,7 @@ padding. The host computes the cut (`segment_plan`) from Python ints: no device 
 
   1. `_cumsum_kernel`   (segment, b*h, K block): G = in-segment cumsum(g), fp32.
   2. `_intra_kernel`    (segment, b*h): A_kk = beta * gram(k, k) (strict), A_qk = scale * gram(q, k),
-                        T = (I + A_kk)^{-1} (UT transform), w = T (beta k e^G), u = T (beta v),
+                        T = (I + A_kk)^{-1} (UT transform, by 16 x 16 blocks in place in `ai`), w = T (beta k e^G), u = T (beta v),
                         qg = scale q e^G, kg = k e^(G_last - G). All segments in parallel.
   3. `_state_kernel`    (b*h, V block): the serial walk. v_new = u - w S; S <- e^G_last S + kg^T v_new;
                         S stored at every segment start (hs), at requested positions and at the end.
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.impl import gpu_autotune
-from kernels.kda.chunk_intra import _gram, _mm, _row_tile, _unit_lower_inverse
+from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile
 
 BT = 64  # tokens per segment
 BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
@@ -64,10 +64,13 @@ def _intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
     A_kk = beta[:, None] * _gram(k_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, True, BT, BC, BK, DOT_BF16)
     A_qk = scale * _gram(q_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, False, BT, BC, BK, DOT_BF16)
-    Ai = _unit_lower_inverse(A_kk, t, BT)  # [BT, BT] the UT transform
     tile = rows[:, None] * BT + t[None, :]
-    tl.store(ai_ptr + tile, Ai, mask=valid[:, None])
     tl.store(aqk_ptr + tile, A_qk, mask=valid[:, None])
+    tl.store(ai_ptr + tile, A_kk, mask=valid[:, None])
+    tl.debug_barrier()  # A_kk visible to every thread of this program
+    _block_inverse(ai_ptr, row0, H, L, BT, BC)  # in place: (I + A_kk)^{-1}, the UT transform
+    tl.debug_barrier()
+    Ai = tl.load(ai_ptr + tile, mask=valid[:, None], other=0.0)  # [BT, BT]
     for c0 in range(0, K, BK):
         c = c0 + tl.arange(0, BK)
         cm = c < K

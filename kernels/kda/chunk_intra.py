@@ -149,3 +149,54 @@ def _unit_lower_inverse(A, t, BT: tl.constexpr):
         row = tl.where(t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)  # [BT]
         inv = tl.where(t[:, None] == i, row[None, :], inv)
     return inv
+
+
+@triton.jit
+def _block(ptr, row0, H, L, a: tl.constexpr, b: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Block (a, b) [BC, BC] of the [BT, BT] matrix whose row t is at ptr + (row0 + t H) BT; rows >= L are 0."""
+    r, c = a * BC + tl.arange(0, BC), b * BC + tl.arange(0, BC)
+    return tl.load(ptr + (row0 + r * H)[:, None] * BT + c[None, :], mask=(r < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _put(ptr, row0, H, L, a: tl.constexpr, b: tl.constexpr, x, BT: tl.constexpr, BC: tl.constexpr):
+    r, c = a * BC + tl.arange(0, BC), b * BC + tl.arange(0, BC)
+    tl.store(ptr + (row0 + r * H)[:, None] * BT + c[None, :], x, mask=(r < L)[:, None])
+
+
+@triton.jit
+def _block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + A)^{-1} in place, A the strictly lower [BT, BT] (BT = 4 BC) matrix stored at ptr's rows.
+
+    Block forward substitution (fla's solve_tril): the four diagonal [BC, BC] blocks are inverted
+    by forward substitution, then X_ab = -X_aa sum_{b <= c < a} A_ac X_cb with [BC, BC] dots, in
+    fp32 'ieee' whatever the inputs (the inverse's error feeds every output). Blocks above the
+    diagonal are left as stored (zero). Call between tl.debug_barrier()s when the same program
+    wrote A or reads the result.
+    """
+    tl.static_assert(BT == 4 * BC)
+    t = tl.arange(0, BC)
+    X00 = _unit_lower_inverse(_block(ptr, row0, H, L, 0, 0, BT, BC), t, BC)
+    X11 = _unit_lower_inverse(_block(ptr, row0, H, L, 1, 1, BT, BC), t, BC)
+    X22 = _unit_lower_inverse(_block(ptr, row0, H, L, 2, 2, BT, BC), t, BC)
+    X33 = _unit_lower_inverse(_block(ptr, row0, H, L, 3, 3, BT, BC), t, BC)
+    A10, A21, A32 = (_block(ptr, row0, H, L, 1, 0, BT, BC), _block(ptr, row0, H, L, 2, 1, BT, BC),
+                     _block(ptr, row0, H, L, 3, 2, BT, BC))
+    A20, A31, A30 = (_block(ptr, row0, H, L, 2, 0, BT, BC), _block(ptr, row0, H, L, 3, 1, BT, BC),
+                     _block(ptr, row0, H, L, 3, 0, BT, BC))
+    X10 = -_mm(X11, _mm(A10, X00, False), False)
+    X21 = -_mm(X22, _mm(A21, X11, False), False)
+    X32 = -_mm(X33, _mm(A32, X22, False), False)
+    X20 = -_mm(X22, _mm(A20, X00, False) + _mm(A21, X10, False), False)
+    X31 = -_mm(X33, _mm(A31, X11, False) + _mm(A32, X21, False), False)
+    X30 = -_mm(X33, _mm(A30, X00, False) + _mm(A31, X10, False) + _mm(A32, X20, False), False)
+    _put(ptr, row0, H, L, 0, 0, X00, BT, BC)
+    _put(ptr, row0, H, L, 1, 1, X11, BT, BC)
+    _put(ptr, row0, H, L, 2, 2, X22, BT, BC)
+    _put(ptr, row0, H, L, 3, 3, X33, BT, BC)
+    _put(ptr, row0, H, L, 1, 0, X10, BT, BC)
+    _put(ptr, row0, H, L, 2, 1, X21, BT, BC)
+    _put(ptr, row0, H, L, 3, 2, X32, BT, BC)
+    _put(ptr, row0, H, L, 2, 0, X20, BT, BC)
+    _put(ptr, row0, H, L, 3, 1, X31, BT, BC)
+    _put(ptr, row0, H, L, 3, 0, X30, BT, BC)
