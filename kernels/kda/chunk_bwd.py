@@ -13,10 +13,11 @@ o = Qg S0 + P v_new, S1 = e^G_last S0 + Kg^T v_new), reverse-mode gives
 and dP with k and q (`_decay_row` / `_decay_col`, chunk_intra.py) give the row- and column-role
 gradients; the gate gradient dG sums every term's d/dG, and dg is its reverse cumsum in the segment.
 
-Two kernels: `_dstate_kernel` (b*h, V block) walks the segments backwards (the only serial loop)
-storing dS1 per segment and dv_new; `_grad_kernel` (segment, b*h) then does the rest for all
-segments in parallel. `_grad_kernel` holds whole [64, K] and [64, V] tiles (K, V <= 128 in
-Kimi Linear): a GPU profile decides whether it must be split. Never run on a GPU yet.
+Three kernels: `_dstate_kernel` (b*h, V block) walks the segments backwards (the only serial loop)
+storing dS1 per segment and dv_new; then for all segments in parallel `_grad_a_kernel` (segment,
+b*h) forms dA, dP and dX (to scratch) and dv, and `_grad_k_kernel` (segment, b*h, K block) the
+pairwise-decay products and dq, dk, dg, dbeta. Tiles stay within [64, 64] x blocks of K or V (at
+most 64 wide). Never run on a GPU yet.
 """
 
 import torch
@@ -77,60 +78,108 @@ def _store_rows(ptr, rows, valid, c, cm, width, x):
 
 
 @triton.jit(do_not_specialize=["NS", "T"])
-def _grad_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr,
-                 do_ptr, dvnew_ptr, ds1_ptr, seg_ptr,
-                 dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
-                 scale, NS, T, H, K, V,
-                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+def _grad_a_kernel(v_ptr, beta_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr, do_ptr, dvnew_ptr, seg_ptr,
+                   dA_ptr, dP_ptr, dx_ptr, dv_ptr, dbeta_ptr, NS, T, H, K, V,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Per (segment, head): dA, dP ([BT, BT], to scratch), dX (to scratch), dv and the dY part of
+    dbeta, looping over K and V blocks so no tile is larger than [BT, max(BK, BV)]."""
     s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    valid = t < L
+    rows = (b * T + start + t) * H + h
+    state = ((b * NS + s) * H + h) * K * V
+    beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
+    Ai_t = tl.trans(tl.load(ai_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0))  # T^T
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vm = cv < V
+        dv_new = _row_tile(dvnew_ptr, rows, valid, cv, vm, V)  # [BT, BV]
+        dP += _mm(_row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(_row_tile(vnew_ptr, rows, valid, cv, vm, V)),
+                  DOT_BF16)
+        dY = _mm(Ai_t, dv_new, DOT_BF16)  # [BT, BV]
+        dA -= _mm(dY, tl.trans(_row_tile(u_ptr, rows, valid, cv, vm, V)), DOT_BF16)
+        dbeta += tl.sum(dY * _row_tile(v_ptr, rows, valid, cv, vm, V), axis=1)
+        _store_rows(dv_ptr, rows, valid, cv, vm, V, beta[:, None] * dY)
+    for c0 in range(0, K, BK):
+        c = c0 + tl.arange(0, BK)
+        cm = c < K
+        dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dv_new S0^T
+        for v0 in range(0, V, BV):
+            cv = v0 + tl.arange(0, BV)
+            vm = cv < V
+            S0 = tl.load(hs_ptr + state + c[:, None] * V + cv[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
+            dw -= _mm(_row_tile(dvnew_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
+        dX = _mm(Ai_t, dw, DOT_BF16)  # [BT, BK]
+        dA -= _mm(dX, tl.trans(_row_tile(w_ptr, rows, valid, c, cm, K)), DOT_BF16)
+        _store_rows(dx_ptr, rows, valid, c, cm, K, dX)
+    pair = valid[:, None] & valid[None, :]
+    tile = rows[:, None] * BT + t[None, :]
+    tl.store(dA_ptr + tile, tl.where(pair & (t[None, :] < t[:, None]), dA, 0.0), mask=valid[:, None])
+    tl.store(dP_ptr + tile, tl.where(pair & (t[None, :] <= t[:, None]), dP, 0.0), mask=valid[:, None])
+    tl.store(dbeta_ptr + rows, dbeta, mask=valid)
+
+
+@triton.jit(do_not_specialize=["NS", "T"])
+def _grad_k_kernel(q_ptr, k_ptr, beta_ptr, G_ptr, vnew_ptr, hs_ptr, do_ptr, ds1_ptr, seg_ptr,
+                   dA_ptr, dP_ptr, dx_ptr, dq_ptr, dk_ptr, dg_ptr, dbeta_ptr,
+                   scale, NS, T, H, K, V,
+                   BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Per (segment, head, K block): dq, dk, dg and this block's part of dbeta (row k_block of the
+    [NKB, B, T, H] dbeta partials), from dA, dP, dX of `_grad_a_kernel`."""
+    s, bh, kb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     b, h = bh // H, bh % H
     start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
     t = tl.arange(0, BT)
     valid = t < L
     row0 = (b * T + start) * H + h
     rows = row0 + t * H
-    c, cv = tl.arange(0, BK), tl.arange(0, BV)
-    cm, vm = c < K, cv < V
-    S0 = _state_tile(hs_ptr, b, s, h, NS, H, K, V, c, cm, cv, vm)  # [BK, BV]
-    dS1 = _state_tile(ds1_ptr, b, s, h, NS, H, K, V, c, cm, cv, vm)
-    dO = _row_tile(do_ptr, rows, valid, cv, vm, V)  # [BT, BV]
-    v_new = _row_tile(vnew_ptr, rows, valid, cv, vm, V)
-    dv_new = _row_tile(dvnew_ptr, rows, valid, cv, vm, V)
-    Ai_t = tl.trans(tl.load(ai_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0))  # T^T
-    dX = _mm(Ai_t, -_mm(dv_new, tl.trans(S0), DOT_BF16), DOT_BF16)  # [BT, BK]
-    dY = _mm(Ai_t, dv_new, DOT_BF16)  # [BT, BV]
-    w = _row_tile(w_ptr, rows, valid, c, cm, K)
-    u = _row_tile(u_ptr, rows, valid, cv, vm, V)
-    pair = valid[:, None] & valid[None, :]
-    dA = tl.where(pair & (t[None, :] < t[:, None]), -(_mm(dX, tl.trans(w), DOT_BF16) + _mm(dY, tl.trans(u), DOT_BF16)), 0.0)
-    dP = tl.where(pair & (t[None, :] <= t[:, None]), _mm(dO, tl.trans(v_new), DOT_BF16), 0.0)  # [BT, BT]
+    state = ((b * NS + s) * H + h) * K * V
+    c = kb * BK + tl.arange(0, BK)
+    cm = c < K
+    dQg = tl.zeros([BT, BK], dtype=tl.float32)  # dO S0^T
+    dKg = tl.zeros([BT, BK], dtype=tl.float32)  # v_new dS1^T
+    last = tl.zeros([BK], dtype=tl.float32)  # rowsum(dS1 * S0)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vm = cv < V
+        s_offs = state + c[:, None] * V + cv[None, :]
+        s_mask = cm[:, None] & vm[None, :]
+        S0 = tl.load(hs_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
+        dS1 = tl.load(ds1_ptr + s_offs, mask=s_mask, other=0.0)
+        dQg += _mm(_row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
+        dKg += _mm(_row_tile(vnew_ptr, rows, valid, cv, vm, V), tl.trans(dS1), DOT_BF16)
+        last += tl.sum(dS1 * S0, axis=1)
+    dA = tl.load(dA_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
+    dP = tl.load(dP_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)
+    dX = _row_tile(dx_ptr, rows, valid, c, cm, K)  # [BT, BK]
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
-    G = _row_tile(G_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    G = _row_tile(G_ptr, rows, valid, c, cm, K)
     G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
     q = _row_tile(q_ptr, rows, valid, c, cm, K)
     k = _row_tile(k_ptr, rows, valid, c, cm, K)
-    v = _row_tile(v_ptr, rows, valid, cv, vm, V)
     Rk = _decay_row(dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
     Ck = _decay_col(beta[:, None] * dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
     Rq = _decay_row(dP, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
     Cq = _decay_col(dP, q_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
     eG = tl.exp(G)  # padded rows have G = 0 and zero inputs
     to_end = tl.where(valid[:, None], tl.exp(G_last[None, :] - G), 0.0)  # [BT, BK]
-    dQg = _mm(dO, tl.trans(S0), DOT_BF16)  # [BT, BK]
-    dKg = _mm(v_new, tl.trans(dS1), DOT_BF16)
     dq = scale * (Rq + dQg * eG)
     dk = beta[:, None] * (Rk + dX * eG) + Ck + scale * Cq + dKg * to_end
-    dbeta = tl.sum(k * Rk, axis=1) + tl.sum(dX * k * eG, axis=1) + tl.sum(dY * v, axis=1)
     kg_term = dKg * k * to_end  # d(Kg)/dG_i = -Kg_i, d(Kg)/dG_last = +sum_i Kg_i
     dG = beta[:, None] * k * (Rk + dX * eG) - k * Ck + scale * (q * Rq - k * Cq + dQg * q * eG) - kg_term
-    last = tl.exp(G_last) * tl.sum(dS1 * S0, axis=1) + tl.sum(kg_term, axis=0)  # [BK] d/dG_last
+    last = tl.exp(G_last) * last + tl.sum(kg_term, axis=0)  # [BK] d/dG_last
     dG = tl.where(valid[:, None], dG, 0.0) + tl.where((t == L - 1)[:, None], last[None, :], 0.0)
     dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG  # reverse cumsum: G = cumsum(g)
     _store_rows(dq_ptr, rows, valid, c, cm, K, dq)
     _store_rows(dk_ptr, rows, valid, c, cm, K, dk)
     _store_rows(dg_ptr, rows, valid, c, cm, K, dg)
-    _store_rows(dv_ptr, rows, valid, cv, vm, V, beta[:, None] * dY)
-    tl.store(dbeta_ptr + rows, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+    dbeta = tl.sum(k * (Rk + dX * eG), axis=1)  # [BT] this K block's part
+    tl.store(dbeta_ptr + kb.to(tl.int64) * (tl.num_programs(1) * T).to(tl.int64) + rows, dbeta, mask=valid)
 
 
 def chunk_kda_bwd(q, k, v, beta, scale, saved, positions, do, dfinal, dpos):
@@ -151,13 +200,20 @@ def chunk_kda_bwd(q, k, v, beta, scale, saved, positions, do, dfinal, dpos):
         ds1, dv_new, dh0, NS, T, H, K, V, P, BT=BT, BK=BK, BV=BVs, DOT_BF16=bf16)
     if P and positions[0] == 0:
         dh0 += dpos[:, 0]  # position 0 returned the initial state itself
+    BKb, nkb = min(BK, 64), triton.cdiv(K, min(BK, 64))
+    dA, dP = (torch.empty(B, T, H, BT, dtype=torch.float32, device=dev) for _ in range(2))
+    dx = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
+    dbeta_parts = torch.empty(1 + nkb, B, T, H, dtype=torch.float32, device=dev)  # dY part, then per K block
+    dv = torch.empty_like(v)
+    _grad_a_kernel[(NS, B * H)](
+        v, beta, saved["ai"], saved["w"], saved["u"], saved["v_new"], saved["hs"], do, dv_new, seg,
+        dA, dP, dx, dv, dbeta_parts[0], NS, T, H, K, V, BT=BT, BK=BKb, BV=BVs, DOT_BF16=bf16)
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
-    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    _grad_kernel[(NS, B * H)](
-        q, k, v, beta, saved["G"], saved["ai"], saved["w"], saved["u"], saved["v_new"], saved["hs"],
-        do, dv_new, ds1, seg, dq, dk, dv, dg, dbeta, float(scale), NS, T, H, K, V,
-        BT=BT, BC=BC, BK=BK, BV=max(16, triton.next_power_of_2(V)), DOT_BF16=bf16)
-    return dq, dk, dv, dg, dbeta, dh0
+    _grad_k_kernel[(NS, B * H, nkb)](
+        q, k, beta, saved["G"], saved["v_new"], saved["hs"], do, ds1, seg, dA, dP, dx, dq, dk, dg, dbeta_parts[1:],
+        float(scale), NS, T, H, K, V, BT=BT, BC=BC, BK=BKb, BV=BVs, DOT_BF16=bf16)
+    return dq, dk, dv, dg, dbeta_parts.sum(0).to(beta.dtype), dh0
 
 
-TRITON_KERNELS = {"kda_chunk_dstate": _dstate_kernel, "kda_chunk_grad": _grad_kernel}
+TRITON_KERNELS = {"kda_chunk_dstate": _dstate_kernel, "kda_chunk_grad_a": _grad_a_kernel,
+                  "kda_chunk_grad_k": _grad_k_kernel}

@@ -147,9 +147,10 @@ def test_triton_backward_matches_naive_autograd(T):
 @pytest.mark.triton
 def test_triton_backward_through_outputs_only():
     # Only o in the loss (the training path): the unused outputs' gradients arrive as zeros;
-    # without an initial state there is no h0 gradient.
-    q, k, v, g, beta, _ = make_inputs(T=70, H=1, K=16, V=16, seed=3)
-    do = torch.randn(2, 70, 1, 16, generator=torch.Generator().manual_seed(2))
+    # without an initial state there is no h0 gradient. K = 80 and V = 72 take two 64-wide blocks
+    # each in every kernel that loops over them.
+    q, k, v, g, beta, _ = make_inputs(B=1, T=70, H=1, K=80, V=72, seed=3)
+    do = torch.randn(1, 70, 1, 72, generator=torch.Generator().manual_seed(2))
     got = grads_of("triton", (q, k, v, g, beta), (), (do, None, None))
     expected = grads_of("naive", (q, k, v, g, beta), (), (do, None, None))
     for a, b in zip(got, expected):
