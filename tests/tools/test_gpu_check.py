@@ -60,8 +60,8 @@ def test_python_sections_run_on_cpu_and_write_their_figures(tmp_path):
         assert any(k.startswith("ms_") or k.startswith("fwd_bwd_ms_") for k in figures), name
     assert sections["kda_decode"]["figures"]["other_pages_untouched_fp32"] is True
     found = sections["env"]["figures"]["kernels"]
-    for kernel in ("kda.chunk.kda_chunk_intra", "kda.chunk.kda_chunk_grad_a", "kda.chunk.kda_chunk_grad_k", "kda.decode._kda_decode_kernel",
-                   "mla.paged.mla_decode", "mla.paged.mla_decode_combine", "mla.weights._paged_mla_weights_kernel"):
+    for kernel in ("kda.chunk.kda_chunk_intra", "kda.chunk.kda_chunk_grad_a", "kda.chunk.kda_chunk_grad_k",
+                   "kda.decode._kda_decode_kernel", "mla.paged.mla_decode", "mla.paged.mla_decode_combine", "mla.weights._paged_mla_weights_kernel"):
         assert kernel in found
     assert sections["env"]["figures"]["anchors_importable_here"]["fla"].startswith("unavailable")
     assert sections["compile_stats"]["figures"]["kernels"] == found
