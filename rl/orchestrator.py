@@ -270,7 +270,11 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
             rollout = phases.run(it, "rollout", lambda: p.driver.run_iteration(progress=bar))
         if p.release_pool:
             pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
+            host_tier = p.engine.cache.host_tier
+            written = host_tier.pages_written_back if host_tier is not None else 0
             phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)  # drops the fused copies too
+            if "host_pages_written_back" in rollout:  # the sleep's write-back belongs to this iteration too
+                rollout["host_pages_written_back"] += host_tier.pages_written_back - written
         else:
             p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
         if multiplex:  # the KV pool's contents to NVMe, its DRAM back to the ledger, before the states return

@@ -203,3 +203,25 @@ def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_r
     assert (crashed / "checkpoints" / "latest").read_text() == f"iter_{latest:06d}"
     assert_resume_reproduces(straight, crashed, *spill)
     assert not list((crashed / "checkpoints").glob(".tmp_*"))
+
+
+def test_host_pages_written_back_counts_the_write_back_at_sleep(tmp_path, monkeypatch):
+    """Every page the host tier writes back, during the rollout or when sleep writes the prefix
+    cache's turn-boundary entries back, is in some iteration's `host_pages_written_back`."""
+    from rollout.engine import Engine
+
+    engines, at_sleep = [], []
+    sleep = Engine.sleep
+
+    def watched(self):
+        before = self.cache.host_tier.pages_written_back
+        sleep(self)
+        engines.append(self)
+        at_sleep.append(self.cache.host_tier.pages_written_back - before)
+
+    monkeypatch.setattr(Engine, "sleep", watched)
+    history = run(composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, "task=key_lookup",
+                           "engine.host_pool_mb=4", "prefix_cache=on", "engine.prefix_cache.hash_block=4",
+                           "engine.max_model_len=64"))
+    assert sum(at_sleep) > 0, "the multi-turn task leaves turn-boundary entries for sleep to write back"
+    assert sum(h["host_pages_written_back"] for h in history) == engines[-1].cache.host_tier.pages_written_back
