@@ -30,8 +30,7 @@ from models.tokenizer import load_tokenizer
 from rl.checkpoint import RUN_CONFIG, checkpoint_info
 from rl.config import RunConfig, to_run_config, upgrade_stored_config, writable
 from rl.data import load_rows
-from rl.export import ExportError
-from rl.export.cli import pick_checkpoint
+from rl.export.cli import pick_checkpoint, run_command
 from rl.validation import evaluate
 from rollout.engine import Engine
 
@@ -100,24 +99,18 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
 
 def main(argv: list[str] | None = None) -> int:
     """The command; returns the exit status (0 evaluated, 2 refused)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    err_say = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    try:
-        own, overrides = split_args(argv)
-        iteration = own.get("iteration")
-        if iteration in (None, "", "latest"):
-            iteration = None
-        elif not iteration.isdigit():
-            raise EvaluateError(f"iteration={iteration!r}, expected an integer or latest")
-        out, metrics = run_evaluation(own["run_dir"], None if iteration is None else int(iteration), overrides,
-                                      own.get("out"), err_say)
-    except (EvaluateError, ExportError, FileNotFoundError, ValueError) as err:
-        err_say(f"rl.evaluate: {type(err).__name__}: {err}" if not isinstance(err, EvaluateError | ExportError)
-                else f"rl.evaluate: {err}")
-        return 2
+    return run_command("rl.evaluate", __doc__, argv, _evaluate, refused=(ValueError,), ours=(EvaluateError,))
+
+
+def _evaluate(argv: list[str], err_say) -> int:
+    own, overrides = split_args(argv)
+    iteration = own.get("iteration")
+    if iteration in (None, "", "latest"):
+        iteration = None
+    elif not iteration.isdigit():
+        raise EvaluateError(f"iteration={iteration!r}, expected an integer or latest")
+    out, metrics = run_evaluation(own["run_dir"], None if iteration is None else int(iteration), overrides,
+                                  own.get("out"), err_say)
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.6g}")
     print(f"rl.evaluate: wrote {out}")

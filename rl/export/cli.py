@@ -85,23 +85,36 @@ def pick_checkpoint(run_dir: Path, iteration: int | None, say=print) -> Path:
     return have[iteration]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command; returns the exit status (0 exported, 2 refused)."""
+def run_command(name: str, doc: str, argv: list[str] | None, body, refused: tuple[type, ...] = (),
+                ours: tuple[type, ...] = ()) -> int:
+    """The shape of our `python -m` commands: `-h`/`--help` prints `doc`; `body(argv, err_say)` does the
+    work and returns the exit status; an ExportError, FileNotFoundError or one of `refused` becomes
+    one line `<name>: ...` on stderr (the type named unless ExportError or one of `ours`), exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        print(doc)
         return 0
     err_say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     try:
-        args = parse_args(argv)
-        max_shard_bytes = parse_size(args.max_shard_size)
-        run_dir = Path(args.run_dir)
-        checkpoint = pick_checkpoint(run_dir, args.iteration, err_say)
-        out = Path(args.out) if args.out else run_dir / "export" / checkpoint.name
-        out = export_checkpoint(checkpoint, out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
-                                tokenizer=args.tokenizer)
-    except (ExportError, FileNotFoundError) as err:
-        err_say(f"rl.export: {err}")
+        return body(argv, err_say)
+    except (ExportError, FileNotFoundError, *refused) as err:
+        plain = isinstance(err, (ExportError, *ours))
+        err_say(f"{name}: {err}" if plain else f"{name}: {type(err).__name__}: {err}")
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns the exit status (0 exported, 2 refused)."""
+    return run_command("rl.export", __doc__, argv, _export)
+
+
+def _export(argv: list[str], err_say) -> int:
+    args = parse_args(argv)
+    max_shard_bytes = parse_size(args.max_shard_size)
+    run_dir = Path(args.run_dir)
+    checkpoint = pick_checkpoint(run_dir, args.iteration, err_say)
+    out = Path(args.out) if args.out else run_dir / "export" / checkpoint.name
+    out = export_checkpoint(checkpoint, out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
+                            tokenizer=args.tokenizer)
     print(f"rl.export: wrote {out}\n" + (out / "README.txt").read_text(), end="")
     return 0
