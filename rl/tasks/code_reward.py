@@ -8,8 +8,8 @@ assert is one test. The code is the answer's last fenced block (```python ... ``
 unclosed last fence, an answer cut at the token limit, runs to the end), else the whole answer.
 
 One sandbox run per answer: a harness executes the code as `__main__` (a `sys.exit(0)` in it does not
-skip the tests), then each test in the code's namespace, each in its own try (a test that raises or
-fails counts as failed), and writes one summary line tagged with a random nonce of this call, which
+skip the tests), then each test in the code's namespace, each in its own try (a test that raises,
+fails or runs past `test_time_s`, a wall-time alarm, counts as failed), and writes one summary line tagged with a random nonce of this call, which
 the parent parses: a look-alike line printed by the code does not count, and exactly one tagged line
 must come back. What the nonce does not stop: code that walks the interpreter's frames can read it,
 and an object whose `__eq__` always returns True passes `assert f(x) == y`; the sandbox bounds what
@@ -17,7 +17,8 @@ such code can do, not the reward it claims.
 
 Reward: 1.0 when every test passes, else `partial_credit * passed / total`. Components (the driver's
 `reward/<name>`, a mean over trajectories): `tests_passed_frac`, `exec_ok` (the code ran to its end
-and the summary came back), `timeout` (wall or CPU limit), and on a failure one of `cpu_limit`,
+and the summary came back), `timeout` (the run's wall or CPU limit), `tests_timed_out_frac` (tests
+stopped by `test_time_s`, when any were), and on a failure one of `cpu_limit`,
 `memory`, `output_limit`, `killed`, `crashed`, `syntax_error`, `error` (the code raised, or the
 process exited with an error), `no_summary` (the code ended the process itself, e.g. `os._exit`).
 Failures never raise: they score 0. A bad row (no label, malformed tests) raises ValueError at reset.
@@ -48,12 +49,19 @@ STATUSES = ("ok", "syntax_error", "memory", "error")
 # a duplicate of stdout before executing the code (which may rebind builtins or replace sys.stdout), and
 # ends the process with os._exit right after the summary (no atexit handler of the code runs after it).
 _HARNESS = r'''
-import builtins as _b, os as _os
+import builtins as _b, os as _os, signal as _signal
 
-def _harness(src, tests, tag, compile=compile, exec=exec, len=len, enumerate=enumerate,
+class _TestTimeout(BaseException):
+    pass
+
+def _harness(src, tests, tag, test_s, compile=compile, exec=exec, len=len, enumerate=enumerate,
              BaseException=BaseException, SystemExit=SystemExit, MemoryError=MemoryError,
-             write=_os.write, exit_now=_os._exit):
-    out, ns, status, passed = _os.dup(1), {"__name__": "__main__", "__builtins__": _b}, "ok", 0
+             write=_os.write, exit_now=_os._exit, on_signal=_signal.signal, setitimer=_signal.setitimer,
+             ALARM=_signal.SIGALRM, REAL=_signal.ITIMER_REAL, TestTimeout=_TestTimeout):
+    def alarm(signum, frame):
+        raise TestTimeout()
+
+    out, ns, status, passed, slow = _os.dup(1), {"__name__": "__main__", "__builtins__": _b}, "ok", 0, 0
     try:
         code = compile(src, "<solution>", "exec")
     except BaseException:  # SyntaxError, or ValueError for a null byte
@@ -70,11 +78,19 @@ def _harness(src, tests, tag, compile=compile, exec=exec, len=len, enumerate=enu
     if status == "ok":
         for i, test in enumerate(tests):
             try:
-                exec(compile(test, "<test %d>" % i, "exec"), ns)
+                on_signal(ALARM, alarm)  # again before each test: the code may have replaced it
+                setitimer(REAL, test_s)
+                try:
+                    exec(compile(test, "<test %d>" % i, "exec"), ns)
+                finally:
+                    setitimer(REAL, 0)
+            except TestTimeout:
+                slow += 1
+                continue
             except BaseException:
                 continue
             passed += 1
-    write(out, ("\n%s %s %d %d\n" % (tag, status, passed, len(tests))).encode())
+    write(out, ("\n%s %s %d %d %d\n" % (tag, status, passed, len(tests), slow)).encode())
     exit_now(0)
 '''
 
@@ -138,27 +154,29 @@ def parse_tests(label: object) -> list[str]:
     return list(label)
 
 
-def harness_program(code: str, tests: list[str], tag: str) -> str:
-    """The program one sandbox run executes: `code` as __main__, then each test, then the summary
-    line "<tag> <status> <passed> <total>" on stdout and an immediate exit."""
-    return _HARNESS + f"_harness({code!r}, {list(tests)!r}, {tag!r})\n"
+def harness_program(code: str, tests: list[str], tag: str, test_time_s: float = 2.0) -> str:
+    """The program one sandbox run executes: `code` as __main__, then each test (a wall-time alarm of
+    `test_time_s` fails a test that runs longer), then the summary line
+    "<tag> <status> <passed> <total> <timed_out>" on stdout and an immediate exit."""
+    return _HARNESS + f"_harness({code!r}, {list(tests)!r}, {tag!r}, {float(test_time_s)!r})\n"
 
 
-def parse_summary(stdout: str, tag: str, num_tests: int) -> tuple[str, int] | None:
-    """(status, passed) from the one summary line tagged `tag`; None when there is not exactly one
-    well-formed tagged line for `num_tests` tests (the code ended the process, or forged the line)."""
+def parse_summary(stdout: str, tag: str, num_tests: int) -> tuple[str, int, int] | None:
+    """(status, passed, timed_out) from the one summary line tagged `tag`; None when there is not exactly
+    one well-formed tagged line for `num_tests` tests (the code ended the process, or forged the line)."""
     found = [line.split() for line in stdout.splitlines() if line.startswith(tag + " ")]
-    if len(found) != 1 or len(found[0]) != 4:
+    if len(found) != 1 or len(found[0]) != 5:
         return None
-    _, status, passed, total = found[0]
-    if status not in STATUSES or not passed.isdigit() or total != str(num_tests) or int(passed) > num_tests:
+    _, status, passed, total, slow = found[0]
+    if (status not in STATUSES or not passed.isdigit() or not slow.isdigit() or total != str(num_tests)
+            or int(passed) + int(slow) > num_tests):
         return None
-    return status, int(passed)
+    return status, int(passed), int(slow)
 
 
 def score_run(result: ExecResult, tag: str, num_tests: int, partial_credit: float) -> StepResult:
     """The StepResult of one harness run: reward, components and correctness (module docstring)."""
-    failure, passed = None, 0
+    failure, passed, slow = None, 0, 0
     summary = parse_summary(result.stdout, tag, num_tests) if result.reason == "ok" else None
     if result.reason != "ok":
         failure = result.reason
@@ -167,10 +185,12 @@ def score_run(result: ExecResult, tag: str, num_tests: int, partial_credit: floa
     elif summary[0] != "ok":
         failure = summary[0]
     else:
-        passed = summary[1]
+        passed, slow = summary[1], summary[2]
     frac = passed / num_tests
     components = {"tests_passed_frac": frac, "exec_ok": float(failure is None),
                   "timeout": float(failure in ("timeout", "cpu_limit"))}
+    if slow:
+        components["tests_timed_out_frac"] = slow / num_tests
     if failure is not None and failure != "timeout":
         components[failure] = 1.0
     reward = 1.0 if passed == num_tests else partial_credit * frac
@@ -190,6 +210,8 @@ class CodeReward:
     """stdout + stderr kept; past it the run is killed and scores 0 (`output_limit`)."""
     workers: int = 4
     """Warm sandbox workers of the process's shared pool."""
+    test_time_s: float = 2.0
+    """Wall time one test may take (an alarm in the harness); a slower test fails, the others still run."""
     partial_credit: float = 0.0
     """Reward of a partly passing answer is partial_credit * passed / total; 0 = all or nothing."""
     max_turns: int = 1
@@ -202,6 +224,9 @@ class CodeReward:
         credit = self.partial_credit
         if isinstance(credit, bool) or not isinstance(credit, (int, float)) or not 0.0 <= credit <= 1.0:
             raise ValueError(f"partial_credit={credit!r}, expected a number in [0, 1]")
+        limit = self.test_time_s
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ValueError(f"test_time_s={limit!r}, expected a positive number of seconds")
         self.sandbox_config  # validates the limits now, naming the bad one; the pool starts at the first step
 
     @property
@@ -224,5 +249,6 @@ class CodeReward:
         if self._tests is None:
             raise RuntimeError("step() before reset()")
         tag = "@@code_reward-" + secrets.token_hex(16)
-        result = shared_sandbox(self.sandbox_config).run(harness_program(extract_code(answer), self._tests, tag))
+        program = harness_program(extract_code(answer), self._tests, tag, self.test_time_s)
+        result = shared_sandbox(self.sandbox_config).run(program)
         return score_run(result, tag, len(self._tests), float(self.partial_credit))

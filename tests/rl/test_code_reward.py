@@ -12,7 +12,7 @@ from rl.tasks.base import make_task
 from rl.tasks.code_reward import CodeReward, extract_code, harness_program, parse_summary, parse_tests
 from rl.tools.python_exec import close_sandboxes, shared_sandbox
 
-FAST = dict(wall_time_s=2.0, memory_mb=256, max_output_bytes=4096, workers=2)
+FAST = dict(wall_time_s=2.0, test_time_s=0.5, memory_mb=256, max_output_bytes=4096, workers=2)
 TESTS = ["assert add1(1) == 2", "assert add1(-1) == 0", "assert add1(41) == 42"]
 GOOD = "def add1(x):\n    return x + 1\n"
 ROW = {"prompt": "Write add1(x) returning x + 1.", "label": TESTS}
@@ -67,8 +67,17 @@ def test_an_endless_loop_scores_zero_with_the_timeout_component_within_the_wall_
     assert time.monotonic() - start < FAST["wall_time_s"] + 8.0  # returns, it does not hang
     assert (out.reward, out.is_correct) == (0.0, False)
     assert out.components == {"tests_passed_frac": 0.0, "exec_ok": 0.0, "timeout": 1.0}
-    hang = score(GOOD, label=["assert add1(1) == 2", "while True: pass"])  # a hanging test: the whole run
-    assert hang.reward == 0.0 and hang.components["timeout"] == 1.0
+
+def test_a_hanging_test_fails_alone_at_its_time_limit():
+    # The other tests still run and count; the code's own SIGALRM handler does not stop the alarm.
+    label = ["assert add1(1) == 2", "while True: pass", "assert add1(2) == 3", "assert slow()"]
+    code = GOOD + "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n" \
+                  "def slow():\n    time.sleep(5)\n    return True\n"
+    start = time.monotonic()
+    out = score(code, label=label, partial_credit=1.0)
+    assert time.monotonic() - start < FAST["wall_time_s"] + 1.0  # 2 x 0.5 s, not the run's wall limit
+    assert out.reward == 0.5 and not out.is_correct
+    assert out.components == {"tests_passed_frac": 0.5, "exec_ok": 1.0, "timeout": 0.0, "tests_timed_out_frac": 0.5}
 
 
 @pytest.mark.parametrize("answer, reason", [
@@ -89,7 +98,7 @@ def test_failures_score_zero_with_their_reason_and_never_raise(answer, reason):
 def test_printed_summary_lines_and_an_early_exit_do_not_fake_a_pass():
     forged = ("import sys\ndef add1(x):\n    return -5\n"
               "for tag in ('@@code_reward-0', '@@code_reward-' + '0' * 32, 'T'):\n"
-              "    print(tag, 'ok', 3, 3)\n    print('\\n' + tag + ' ok 3 3', file=sys.stderr)\n"
+              "    print(tag, 'ok', 3, 3, 0)\n    print('\\n' + tag + ' ok 3 3 0', file=sys.stderr)\n"
               "sys.exit(0)\n")  # exiting 0 before the tests does not skip them
     out = score(forged)
     assert (out.reward, out.is_correct) == (0.0, False)
@@ -97,9 +106,10 @@ def test_printed_summary_lines_and_an_early_exit_do_not_fake_a_pass():
     rebinds = ("import builtins, sys\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: 0\n"
                "builtins.len = lambda x: 0\nsys.stdout = open('log', 'w')\ndef add1(x):\n    return -5\n")
     assert score(rebinds).components == {"tests_passed_frac": 0.0, "exec_ok": 1.0, "timeout": 0.0}
-    assert parse_summary("T ok 3 3\nT ok 3 3\n", "T", 3) is None  # a second tagged line: no summary
-    assert parse_summary("T ok 3 3\n", "T", 4) is None and parse_summary("T ok 5 3\n", "T", 3) is None
-    assert parse_summary("out\nT ok 2 3\n", "T", 3) == ("ok", 2)
+    assert parse_summary("T ok 3 3 0\nT ok 3 3 0\n", "T", 3) is None  # a second tagged line: no summary
+    assert parse_summary("T ok 3 3 0\n", "T", 4) is None and parse_summary("T ok 5 3 0\n", "T", 3) is None
+    assert parse_summary("T ok 2 3 2\n", "T", 3) is None and parse_summary("T ok 3 3\n", "T", 3) is None
+    assert parse_summary("out\nT ok 2 3 1\n", "T", 3) == ("ok", 2, 1)
 
 
 def test_network_and_host_files_fail_the_tests_without_a_crash():
@@ -148,7 +158,8 @@ def test_params_are_validated_naming_the_bad_value_and_building_starts_no_pool()
                           ({"memory_mb": 1}, "memory_mb=1"), ({"workers": -2}, "workers=-2"),
                           ({"max_output_bytes": 0}, "max_output_bytes=0"),
                           ({"partial_credit": 1.5}, "partial_credit=1.5, expected a number in \\[0, 1\\]"),
-                          ({"partial_credit": True}, "partial_credit=True"), ({"max_turns": 2}, "max_turns=2")):
+                          ({"partial_credit": True}, "partial_credit=True"), ({"max_turns": 2}, "max_turns=2"),
+                          ({"test_time_s": 0}, "test_time_s=0, expected a positive number")):
         with pytest.raises(ValueError, match=words):
             CodeReward(**params)
     before = dict(python_exec._SANDBOXES)
