@@ -30,6 +30,7 @@ from models.tokenizer import load_tokenizer
 from rl.checkpoint import RUN_CONFIG, checkpoint_info
 from rl.config import RunConfig, to_run_config, upgrade_stored_config, writable
 from rl.data import load_rows
+from rl.env_runner import EnvRunner
 from rl.export.cli import pick_checkpoint, run_command
 from rl.validation import evaluate
 from rollout.engine import Engine
@@ -90,9 +91,14 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
             p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
     model = load_checkpoint(checkpoint, cfg.experiment.torch_dtype)
     engine = Engine(model, replace(cfg.engine, seed=cfg.seed, show_progress=False), detokenize=tokenizer.decode)
-    metrics = evaluate(engine, tokenizer, cfg.task.name, cfg.task.params, replace(cfg.eval, dump=True),
-                       seed=cfg.seed, iteration=it, out_dir=out, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
-                       env_timeout_s=cfg.env.timeout_s, rows=rows)
+    runner = EnvRunner(cfg.env.workers, cfg.env.timeout_s) if cfg.env.workers else None  # as the run's
+    try:
+        metrics = evaluate(engine, tokenizer, cfg.task.name, cfg.task.params, replace(cfg.eval, dump=True),
+                           seed=cfg.seed, iteration=it, out_dir=out, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
+                           env_timeout_s=cfg.env.timeout_s, rows=rows, runner=runner)
+    finally:
+        if runner is not None:
+            runner.close()
     write_durable(out / f"metrics_iter_{it}.json", (json.dumps(metrics, indent=1, sort_keys=True) + "\n").encode())
     return out, metrics
 

@@ -215,7 +215,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
             p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
     evaluate = evaluator(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.eval, seed=cfg.seed, out_dir=run_dir,
                          rank=ranks.rank, world=ranks.world, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
-                         env_timeout_s=cfg.env.timeout_s, rows=val_rows)
+                         env_timeout_s=cfg.env.timeout_s, rows=val_rows, runner=driver.runner)
     # Optimizer host states go here between iterations (orchestrator "offload" / "restore" phases).
     # Each run its own subdirectory of memory.spill_dir (a shared /nvme root is safe), each rank its
     # own store in it: every store locks its directory (memory/nvme_store.py).

@@ -8,7 +8,10 @@ with `reset(mix_seed(seed, HELD_OUT + i))`, a stream the training groups (`mix_s
 never reach, or, given validation data rows (rl/data.py, `data.val_files`), with
 `reset(seed, row=rows[i])` for the first min(num_prompts, len(rows)) rows (a prompt given as chat
 messages is rendered as they are). The same episodes are played at every evaluation, with the
-same sampling seeds: two evaluations differ only by the weights.
+same sampling seeds: two evaluations differ only by the weights. With env.workers > 0 the
+environments' steps run on the rollout driver's worker pool while the engine steps the other
+samples (as in the rollout); then, on CPU, which requests share a step depends on when tools return,
+so results are reproducible only inline (a row's logits depend on its batch there).
 
 Scoring: a sample's reward is the sum of its turns' rewards; it is *correct* when its last step
 result says so (`is_correct`, where the task sets it) and otherwise when its reward is >= 1.0 (the
@@ -46,7 +49,7 @@ from pathlib import Path
 
 from memory.durable import write_durable
 from rl.driver_config import DriverConfig
-from rl.env_runner import EnvConfig
+from rl.env_runner import EnvConfig, EnvRunner, resolve
 from rl.rollout import call_with_timeout, mix_seed
 from rl.tasks.base import Environment, make_task
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
@@ -146,11 +149,14 @@ class _Sample:
 
 
 class _Episodes:
-    """The evaluation's requests and their follow-ups (the dispatcher's `FollowUp`s)."""
+    """The evaluation's requests and their follow-ups (the dispatcher's `FollowUp`s). With a worker
+    pool (`runner`, the run's env.workers) each environment step runs there while the engine steps
+    the other samples; `_Calls` hands its end back to the dispatcher."""
 
-    def __init__(self, engine: Engine, tokenizer, sampling: dict, seed: int, env_timeout_s: float | None) -> None:
+    def __init__(self, engine: Engine, tokenizer, sampling: dict, seed: int, env_timeout_s: float | None,
+                 runner: EnvRunner | None = None) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
-        self.seed, self.env_timeout_s = seed, env_timeout_s
+        self.seed, self.env_timeout_s, self.runner = seed, env_timeout_s, runner
 
     def request(self, samples: list[_Sample]) -> list[Submission]:
         """The request continuing `samples` (a prompt's first turn: all n; later turns: one), or []
@@ -173,7 +179,18 @@ class _Episodes:
         eos = self.engine.model.config.eos_token_id
         try:
             answer = self.tokenizer.answer_text([t for t in tokens if t != eos])
+            if self.runner is not None:
+                self.runner.submit(("eval", s, answer), lambda: resolve(s.env.step(answer)))
+                return []
             result = call_with_timeout(lambda: s.env.step(answer), self.env_timeout_s, "step")
+        except Exception as err:  # noqa: BLE001 - a fault ends this sample, not the evaluation
+            s.error = f"{type(err).__name__}: {err}"
+            return []
+        return self.apply(s, answer, result)
+
+    def apply(self, s: _Sample, answer: str, result: object) -> list[Submission]:
+        """Record a step's result; the next turn's request, or [] when the episode ended."""
+        try:
             reward = float(result.reward)
             if not math.isfinite(reward):
                 raise ValueError(f"reward={reward}, expected a finite number")
@@ -189,6 +206,29 @@ class _Episodes:
         s.tokens += obs
         s.turn_boundaries.append(len(s.tokens))
         return self.request([s])
+
+
+@dataclass
+class _Calls:
+    """The dispatcher's `Background` (rollout/dispatcher.py): the evaluation's steps on the worker pool."""
+
+    episodes: _Episodes
+
+    @property
+    def pending(self) -> int:
+        return self.episodes.runner.pending
+
+    def wait(self, timeout_s: float) -> None:
+        self.episodes.runner.wait(timeout_s)
+
+    def collect(self) -> list[Submission]:
+        out: list[Submission] = []
+        for (_, s, answer), value in self.episodes.runner.collect():
+            if isinstance(value, BaseException):  # a timeout (EnvTimeout) or what the step raised
+                s.error = f"{type(value).__name__}: {value}"
+            else:
+                out += self.episodes.apply(s, answer, value)
+        return out
 
 
 @dataclass
@@ -227,14 +267,18 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
              iteration: int, out_dir: str | Path | None, rank: int = 0, world: int = 1,
              rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
              env_timeout_s: float | None = EnvConfig.timeout_s,
-             rows: Sequence[dict] | None = None) -> dict[str, float]:
+             rows: Sequence[dict] | None = None, runner: EnvRunner | None = None) -> dict[str, float]:
     """One evaluation of the engine's current weights (module docstring): this rank's share of the
     held-out prompts (i % world == rank), each played `config.n` times; returns the metrics (ratios
     and raw sums, `val/...`) and writes the dump under `out_dir` when `config.dump` (and out_dir is
     given). `rollout_max_new_tokens` applies when config.max_new_tokens is None; `env_timeout_s`
     bounds each environment call. `rows` (validation data rows, rl/data.py): prompt i is `rows[i]`,
-    handed to `reset(seed, row=...)`, for the first min(num_prompts, len(rows)) rows. Mutates
-    nothing the training rollout reads."""
+    handed to `reset(seed, row=...)`, for the first min(num_prompts, len(rows)) rows. `runner`: an
+    idle worker pool (the rollout driver's, env.workers > 0) that runs the environments' steps while
+    the engine steps (resets stay inline; its own timeout applies). Mutates nothing the training
+    rollout reads."""
+    if runner is not None and runner.pending:
+        raise RuntimeError(f"evaluate: the worker pool has {runner.pending} calls out; evaluate between rollouts")
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
     check_rows(task_name, task_params, rows)
@@ -247,7 +291,7 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
     max_new = config.max_new_tokens if config.max_new_tokens is not None else rollout_max_new_tokens
     sampling = {"max_new_tokens": max_new, "temperature": config.temperature, "top_p": config.top_p,
                 "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
-    episodes = _Episodes(engine, tokenizer, sampling, seed, env_timeout_s)
+    episodes = _Episodes(engine, tokenizer, sampling, seed, env_timeout_s, runner)
     prompts: list[tuple[int, str | list[dict], list[_Sample]]] = []
     dispatcher = Dispatcher(engine, ThrottleConfig())
     prefix = engine.cache.prefix
@@ -262,7 +306,7 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
             if samples[0].error is None:  # the prompt's first turn: one request of n samples (prefilled once)
                 for sub in episodes.request(samples):
                     dispatcher.add(sub)
-        dispatcher.run()
+        dispatcher.run(background=_Calls(episodes) if runner is not None else None)
     finally:
         for request_id in [r for r in engine.requests if r not in before]:  # an error left requests: abort
             engine.abort(request_id)
@@ -324,7 +368,8 @@ def evaluator(engine: Engine, tokenizer, task_name: str, task_params: dict, conf
               out_dir: str | Path | None, rank: int = 0, world: int = 1,
               rollout_max_new_tokens: int = DriverConfig.max_new_tokens,
               env_timeout_s: float | None = EnvConfig.timeout_s,
-              rows: Sequence[dict] | None = None) -> Callable[[int], dict[str, float]] | None:
+              rows: Sequence[dict] | None = None, runner: EnvRunner | None = None
+              ) -> Callable[[int], dict[str, float]] | None:
     """`evaluate` bound to the run's parts, called with the iteration (rl/orchestrator.py's
     `LoopParts.evaluate`); None when `config` never evaluates."""
     if config.every is None and not config.before_train:
@@ -335,6 +380,6 @@ def evaluator(engine: Engine, tokenizer, task_name: str, task_params: dict, conf
     def run(iteration: int) -> dict[str, float]:
         return evaluate(engine, tokenizer, task_name, task_params, config, seed=seed, iteration=iteration,
                         out_dir=out_dir, rank=rank, world=world, rollout_max_new_tokens=rollout_max_new_tokens,
-                        env_timeout_s=env_timeout_s, rows=rows)
+                        env_timeout_s=env_timeout_s, rows=rows, runner=runner)
 
     return run

@@ -265,3 +265,75 @@ def test_validation_rows_feed_a_data_task_and_its_verdict_counts(tmp_path):
     with pytest.raises(ValueError, match="the list is empty"):
         evaluator(engine(), ByteTokenizer(), "scored", {"reward_path": str(reward)}, EvalConfig(every=1), seed=7,
                   out_dir=None, rows=[])
+
+
+@dataclass
+class SlowLookup:
+    """key_lookup whose steps take 20 ms, and whose step raises (seed % 3 == 1) or hangs past the
+    pool's timeout (seed % 3 == 2) when `faulty`."""
+    faulty: bool = False
+    max_turns: int = 2
+    length: int = 0  # unused: the default config's task param, kept by a task.name override
+    steps = []  # every step's thread name (class-wide)
+
+    def __post_init__(self):
+        from rl.tasks.base import make_task
+        self.inner = make_task("key_lookup", brackets=False)
+        self.max_turns = self.inner.max_turns
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return self.inner.reset(seed)
+
+    def step(self, answer: str):
+        import threading
+        import time
+        SlowLookup.steps.append(threading.current_thread().name)
+        time.sleep(0.02)
+        if self.faulty and self.seed % 3 == 1:
+            raise RuntimeError("tool crashed")
+        if self.faulty and self.seed % 3 == 2:
+            time.sleep(3.0)
+        return self.inner.step(answer)
+
+
+if "test_slow_lookup" not in TASKS:
+    register_task("test_slow_lookup")(SlowLookup)
+
+
+def test_environment_steps_on_the_worker_pool_give_the_inline_evaluation():
+    # env.workers > 0: the steps run on the pool while the engine steps the other samples; greedy
+    # results, dump included, equal the inline evaluation's. A step that raises or outlives the pool's
+    # timeout ends its sample with the error; the evaluation completes.
+    from rl.env_runner import EnvRunner
+
+    cfg = EvalConfig(num_prompts=6, n=2, max_new_tokens=3, temperature=0.0)
+    runs, runner = [], EnvRunner(4, timeout_s=1.0)
+    try:
+        for pool in (None, runner):
+            SlowLookup.steps.clear()
+            runs.append(evaluate(engine(), ByteTokenizer(), "test_slow_lookup", {}, cfg, seed=7, iteration=0,
+                                 out_dir=None, runner=pool))
+            steps = list(SlowLookup.steps)
+            if pool is None:
+                inline = steps
+        assert len(steps) == len(inline) == runner.num_calls >= runs[0]["val/num_samples"]
+        assert all(name.startswith("env-worker-") for name in steps)
+        assert not any(name.startswith("env-worker-") for name in inline)
+        faulty = evaluate(engine(), ByteTokenizer(), "test_slow_lookup", {"faulty": True}, cfg, seed=7, iteration=0,
+                          out_dir=None, runner=runner)
+    finally:
+        runner.close()
+    assert without_time(runs[1]) == without_time(runs[0]) and runs[0]["val/errors"] == 0
+    assert 0 < faulty["val/errors"] < faulty["val/num_samples"] and runner.num_timeouts > 0
+
+
+def test_a_run_with_env_workers_evaluates_on_its_driver_pool(tmp_path):
+    cfg = composed(f"run_dir={tmp_path}", "tracking.wandb_mode=disabled", "tracking.progress=false", "env.workers=2",
+                   "eval.every=1", "eval.num_prompts=2", "eval.n=2", "task.name=test_slow_lookup")
+    parts = build(cfg, resume_from=None)
+    SlowLookup.steps.clear()
+    metrics = parts.evaluate(0)
+    assert metrics["val/num_samples"] == 4 and metrics["val/errors"] == 0
+    assert len(SlowLookup.steps) >= 4 and all(name.startswith("env-worker-") for name in SlowLookup.steps)
+    assert parts.driver.runner.pending == 0
