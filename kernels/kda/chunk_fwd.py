@@ -164,9 +164,15 @@ def segment_plan(T: int, positions: tuple[int, ...]) -> tuple[tuple[int, ...], .
 
 
 def segment_tensor(T: int, positions: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
-    """The plan as one [3 * NS] int32 tensor (starts, lengths, slots) on `device`, and NS."""
+    """The plan as one [3 * NS] int32 tensor (starts, lengths, slots) on `device`, and NS. On CUDA it
+    goes through pinned memory with a non-blocking copy: a pageable copy would wait for the stream
+    (a host sync in every prefill)."""
     starts, lengths, slots = segment_plan(T, positions)
-    return torch.tensor(starts + lengths + slots, dtype=torch.int32, device=device), len(starts)
+    values = starts + lengths + slots
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.int32, device=device), len(starts)
+    host = torch.tensor(values, dtype=torch.int32, pin_memory=True)
+    return host.to(device, non_blocking=True), len(starts)
 
 
 def workspace_dtype(dtype: torch.dtype) -> torch.dtype:

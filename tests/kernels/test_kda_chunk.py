@@ -196,7 +196,8 @@ def test_triton_without_interpreter_raises(monkeypatch):
 def test_triton_bf16_on_gpu_forward_backward_and_compile_count():
     # The bf16 path (bf16 workspaces and tensor-core dots, fp32 gates and states) cannot be checked
     # under the interpreter. At Kimi Linear's head size (K = V = 128), vs the fp32 naive twin on the
-    # same bf16-rounded inputs; then odd lengths must not compile new kernel variants.
+    # same bf16-rounded inputs; then odd lengths must not compile new kernel variants, and a forward
+    # makes no host sync.
     from kernels.kda.chunk import TRITON_KERNELS
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -221,3 +222,11 @@ def test_triton_bf16_on_gpu_forward_backward_and_compile_count():
         o, _, _ = chunk_kda(*x, state_positions=[T // 2], impl="triton")
         o.float().sum().backward()
     assert variants() == before
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the engine's prefill path: no host sync, new lengths included
+    try:
+        with torch.no_grad():
+            x = [t[:, :1].expand(B, 777, *t.shape[2:]).contiguous() for t in inputs]
+            chunk_kda(*x, state_positions=[64, 700], impl="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
