@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.impl import gpu_autotune
 from kernels.kda.chunk_fwd import BC, BT
-from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile
+from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile, _state_program
 
 
 @gpu_autotune(key=["K", "V"])
@@ -34,15 +34,7 @@ from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile
 def _dstate_kernel(do_ptr, aqk_ptr, qg_ptr, kg_ptr, w_ptr, G_ptr, seg_ptr, dfinal_ptr, dpos_ptr,
                    ds1_ptr, dvnew_ptr, dh0_ptr, NS, T, H, K, V, P,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
-    cv = tl.program_id(1) * BV + tl.arange(0, BV)
-    vm = cv < V
-    c = tl.arange(0, BK)
-    cm = c < K
-    t = tl.arange(0, BT)
-    s_offs = c[:, None] * V + cv[None, :]  # [BK, BV]
-    s_mask = cm[:, None] & vm[None, :]
+    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = _state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
     dh = tl.load(dfinal_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0)  # [BK, BV] d(state after the segment)
     for i in range(NS):
         s = NS - 1 - i

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.impl import gpu_autotune
-from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile
+from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile, _state_program
 
 BT = 64  # tokens per segment
 BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
@@ -98,15 +98,7 @@ def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
                   NS, T, H, K, V, P,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_INITIAL: tl.constexpr, DOT_BF16: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
-    cv = tl.program_id(1) * BV + tl.arange(0, BV)
-    vm = cv < V
-    c = tl.arange(0, BK)
-    cm = c < K
-    t = tl.arange(0, BT)
-    s_offs = c[:, None] * V + cv[None, :]  # [BK, BV] within one [K, V] state
-    s_mask = cm[:, None] & vm[None, :]
+    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = _state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
     if HAS_INITIAL:
         S = tl.load(h0_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0).to(tl.float32)
     else:

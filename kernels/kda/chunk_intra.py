@@ -200,3 +200,15 @@ def _block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
     _put(ptr, row0, H, L, 2, 0, X20, BT, BC)
     _put(ptr, row0, H, L, 3, 1, X31, BT, BC)
     _put(ptr, row0, H, L, 3, 0, X30, BT, BC)
+
+
+@triton.jit
+def _state_program(H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The indices of a serial-walk program (grid (b*h, V block)): bh (int64), b, h, its value
+    columns cv [BV] and mask, the key channels c [BK] and mask, token offsets t [BT], and the
+    offsets and mask of its [BK, BV] block within one [K, V] state."""
+    bh = tl.program_id(0).to(tl.int64)
+    cv = tl.program_id(1) * BV + tl.arange(0, BV)
+    c = tl.arange(0, BK)
+    vm, cm = cv < V, c < K
+    return bh, bh // H, bh % H, cv, vm, c, cm, tl.arange(0, BT), c[:, None] * V + cv[None, :], cm[:, None] & vm[None, :]
