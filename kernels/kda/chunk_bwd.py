@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.impl import gpu_autotune
 from kernels.kda.chunk_fwd import BC, BT
-from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile, _state_program
+from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile, _segment_program, _state_program
 
 
 @gpu_autotune(key=["K", "V"])
@@ -75,12 +75,7 @@ def _grad_a_kernel(v_ptr, beta_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr, do_p
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
     """Per (segment, head): dA, dP ([BT, BT], to scratch), dX (to scratch), dv and the dY part of
     dbeta, looping over K and V blocks so no tile is larger than [BT, max(BK, BV)]."""
-    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
-    t = tl.arange(0, BT)
-    valid = t < L
-    rows = (b * T + start + t) * H + h
+    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
     state = ((b * NS + s) * H + h) * K * V
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
     Ai_t = tl.trans(tl.load(ai_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0))  # T^T
@@ -123,13 +118,8 @@ def _grad_k_kernel(q_ptr, k_ptr, beta_ptr, G_ptr, vnew_ptr, hs_ptr, do_ptr, ds1_
                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
     """Per (segment, head, K block): dq, dk, dg and this block's part of dbeta (row k_block of the
     [NKB, B, T, H] dbeta partials), from dA, dP, dX of `_grad_a_kernel`."""
-    s, bh, kb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    b, h = bh // H, bh % H
-    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
-    t = tl.arange(0, BT)
-    valid = t < L
-    row0 = (b * T + start) * H + h
-    rows = row0 + t * H
+    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    kb = tl.program_id(2)
     state = ((b * NS + s) * H + h) * K * V
     c = kb * BK + tl.arange(0, BK)
     cm = c < K

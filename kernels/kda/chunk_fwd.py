@@ -9,8 +9,9 @@ padding. The host computes the cut (`segment_plan`) from Python ints: no device 
 
   1. `_cumsum_kernel`   (segment, b*h, K block): G = in-segment cumsum(g), fp32.
   2. `_intra_kernel`    (segment, b*h): A_kk = beta * gram(k, k) (strict), A_qk = scale * gram(q, k),
-                        T = (I + A_kk)^{-1} (UT transform, by 16 x 16 blocks in place in `ai`), w = T (beta k e^G), u = T (beta v),
-                        qg = scale q e^G, kg = k e^(G_last - G). All segments in parallel.
+                        T = (I + A_kk)^{-1} (UT transform, by 16 x 16 blocks in place in `ai`),
+                        w = T (beta k e^G), u = T (beta v), qg = scale q e^G, kg = k e^(G_last - G).
+                        All segments in parallel.
   3. `_state_kernel`    (b*h, V block): the serial walk. v_new = u - w S; S <- e^G_last S + kg^T v_new;
                         S stored at every segment start (hs), at requested positions and at the end.
   4. `_output_kernel`   (segment, b*h, V block): o = qg S_start + A_qk v_new. All segments in parallel.
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.impl import gpu_autotune
-from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile, _state_program
+from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile, _segment_program, _state_program
 
 BT = 64  # tokens per segment
 BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
@@ -37,12 +38,7 @@ BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
 
 @triton.jit(do_not_specialize=["NS", "T"])
 def _cumsum_kernel(g_ptr, G_ptr, seg_ptr, NS, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
-    t = tl.arange(0, BT)
-    valid = t < L
-    rows = (b * T + start + t) * H + h  # [BT] int64
+    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
     c = tl.program_id(2) * BK + tl.arange(0, BK)
     cm = c < K
     G = tl.cumsum(_row_tile(g_ptr, rows, valid, c, cm, K), axis=0)  # [BT, BK]
@@ -54,13 +50,7 @@ def _intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
                   ai_ptr, aqk_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr,
                   scale, NS, T, H, K, V,
                   BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
-    t = tl.arange(0, BT)
-    valid = t < L
-    row0 = (b * T + start) * H + h
-    rows = row0 + t * H  # [BT]
+    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
     A_kk = beta[:, None] * _gram(k_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, True, BT, BC, BK, DOT_BF16)
     A_qk = scale * _gram(q_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, False, BT, BC, BK, DOT_BF16)
@@ -125,12 +115,7 @@ def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
 @triton.jit(do_not_specialize=["NS", "T"])
 def _output_kernel(qg_ptr, aqk_ptr, vnew_ptr, hs_ptr, seg_ptr, o_ptr, NS, T, H, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
-    t = tl.arange(0, BT)
-    valid = t < L
-    rows = (b * T + start + t) * H + h
+    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
     cv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = cv < V
     state = ((b * NS + s) * H + h) * K * V

@@ -212,3 +212,16 @@ def _state_program(H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
     c = tl.arange(0, BK)
     vm, cm = cv < V, c < K
     return bh, bh // H, bh % H, cv, vm, c, cm, tl.arange(0, BT), c[:, None] * V + cv[None, :], cm[:, None] & vm[None, :]
+
+
+@triton.jit
+def _segment_program(seg_ptr, NS, T, H, BT: tl.constexpr):
+    """The indices of a per-segment program (grid (segment, b*h, ...)): s, bh (int64), b, h, the
+    segment's length L, token offsets t [BT] and their mask, and the global rows (int64 [BT]) of its
+    tokens, row0 = rows[0]."""
+    s, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    start, L = tl.load(seg_ptr + s), tl.load(seg_ptr + NS + s)
+    t = tl.arange(0, BT)
+    row0 = (b * T + start) * H + h
+    return s, bh, b, h, L, t, t < L, row0, row0 + t * H
