@@ -77,12 +77,17 @@ def _timed(ctx: Ctx, figures, suffix: str, ours, reference) -> float:
     return ms
 
 
+def per_dtype(ctx: Ctx, figures, seed: int, body) -> None:
+    """`body(ctx, figures, gen, dtype, tag)` once per dtype of the run, each guarded on its own (Parts)."""
+    gen, parts = ctx.generator(seed), Parts(figures)
+    for dt, tag in ctx.dtypes:
+        parts.run(tag, lambda: body(ctx, figures, gen, dt, tag))
+    parts.done()
+
+
 def kda_decode(ctx: Ctx, figures) -> None:
     """KDA decode step (kernels.kda.decode): B sequences' states updated in their pool pages."""
-    gen, parts = ctx.generator(1), Parts(figures)
-    for dt, tag in ctx.dtypes:
-        parts.run(tag, lambda: _kda_decode(ctx, figures, gen, dt, tag))
-    parts.done()
+    per_dtype(ctx, figures, 1, _kda_decode)
 
 
 def _kda_decode(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str) -> None:
@@ -149,10 +154,7 @@ def _mla_decode(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str, case: str, B:
 
 def mla_weights(ctx: Ctx, figures) -> None:
     """Attention weight per cached token (kernels.mla.weights), from the decode's lse."""
-    gen, parts = ctx.generator(3), Parts(figures)
-    for dt, tag in ctx.dtypes:
-        parts.run(tag, lambda: _mla_weights(ctx, figures, gen, dt, tag))
-    parts.done()
+    per_dtype(ctx, figures, 3, _mla_weights)
 
 
 def _mla_weights(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str) -> None:
@@ -179,10 +181,7 @@ def _mla_weights(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str) -> None:
 
 def mla_prefill(ctx: Ctx, figures) -> None:
     """Paged MLA prefill (kernels.mla.prefill): a chunk of new tokens per sequence over its cache."""
-    gen, parts = ctx.generator(4), Parts(figures)
-    for dt, tag in ctx.dtypes:
-        parts.run(tag, lambda: _mla_prefill(ctx, figures, gen, dt, tag))
-    parts.done()
+    per_dtype(ctx, figures, 4, _mla_prefill)
 
 
 def _mla_prefill(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str) -> None:
@@ -261,10 +260,7 @@ def kda_grads(chunk, leaves, d_o: torch.Tensor, d_final: torch.Tensor, **kw) -> 
 
 def kda_backward(ctx: Ctx, figures) -> None:
     """KDA chunk forward + backward (impl="triton" autograd) vs autograd through the torch reference."""
-    gen, parts = ctx.generator(6), Parts(figures)
-    for dt, tag in ctx.dtypes:
-        parts.run(tag, lambda: _kda_backward(ctx, figures, gen, dt, tag))
-    parts.done()
+    per_dtype(ctx, figures, 6, _kda_backward)
 
 
 def _kda_backward(ctx: Ctx, figures, gen, dt: torch.dtype, tag: str) -> None:
