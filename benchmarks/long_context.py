@@ -1,5 +1,5 @@
-"""Long contexts on CPU, tiny model: memory linear in the length, and the seed's long-prefix
-multi-turn scenario (issue 16).
+"""Long contexts on CPU, tiny model: memory linear in the length, and a long-prefix
+multi-turn scenario.
 
     python -m benchmarks.long_context [--quick]        # --quick: lengths / 16, a smoke run
 
@@ -13,7 +13,7 @@ multi-turn scenario (issue 16).
     of every other tensor alive during the run (a dispatch mode that counts each op output's storage
     from its creation until it is freed: score tiles, gathered KV, logits); tokens/s of prefill and
     decode separately.
-(c) The seed's scenario, scaled down: a 64k-token conversation continued by four 1k-token user
+(c) The long-prefix agentic scenario, scaled down: a 64k-token conversation continued by four 1k-token user
     turns. Prefix cache (turn-boundary checkpoints, reuse across weight versions) and a host KV pool
     on; the device pool holds one conversation but not two, so every turn's prefix comes back from the
     host. Each turn is paused half-way through its answer, the engine sleeps (paused KV parked in
@@ -141,7 +141,7 @@ def rollout(model: HybridLM, context: int, new_tokens: int) -> dict[str, float]:
             "prefill_tok_s": context / prefill_s, "decode_tok_s": new_tokens / max(decode_s, 1e-9)}
 
 
-# ---- (c) the seed's scenario ----------------------------------------------------------------------
+# ---- (c) the long-prefix scenario ----------------------------------------------------------------
 def scenario(model: HybridLM, context: int, turns: int, turn_tokens: int, answer_tokens: int) -> dict[str, float]:
     """(c) above -> per-turn prefilled and new tokens, summed over the continued turns."""
     longest = context + turns * (turn_tokens + answer_tokens) + answer_tokens + 1

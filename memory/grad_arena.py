@@ -1,4 +1,4 @@
-"""FP32 gradient slots for VPP chunks (SPEC §6/§7): a fixed number of flat buffers, reused.
+"""FP32 gradient slots for VPP chunks: a fixed number of flat buffers, reused.
 
 The trainer backpropagates one VPP chunk at a time; a chunk holds a slot from just before its
 backward until its gradients have been reduced over data parallel ranks and moved to the host
@@ -7,7 +7,7 @@ optimizer, then releases it. With two slots, chunk n+1's reduction can overlap c
 the number of chunks.
 
 Between training steps the slots hold nothing, and `lend(borrower)` hands all of them out as raw
-buffers (SPEC §6: the reference model streams its weights through them, trainer/ref_stream.py):
+buffers (the reference model streams its weights through them, trainer/ref_stream.py):
 only while no chunk holds a slot, and `acquire` during the loan raises `ArenaBusy`. Nothing is
 allocated for the loan; what the borrower writes stays in the slots, which is harmless because
 `acquire` zeroes a slot before a chunk's gradients accumulate into it. The borrower must drop

@@ -1,4 +1,4 @@
-"""Host-DRAM ledger (SPEC §6, issue 7): one budget of host bytes, leased and returned by consumers.
+"""Host-DRAM ledger: one budget of host bytes, leased and returned by consumers.
 
 Host DRAM is time-multiplexed: after a training iteration the training states (weights, optimizer
 moments) leave for NVMe and the freed bytes are lent to the host KV pool; before the next update

@@ -1,4 +1,4 @@
-"""The host tier of the KV cache (SPEC §6, issue 7): host-DRAM pages the size of the device pool's.
+"""The host tier of the KV cache: host-DRAM pages the size of the device pool's.
 
 `HostPagePool` is a byte store: one uint8 buffer [num_pages, page_bytes] in host memory (pinned
 when the device pool is on a GPU, so copies can run asynchronously), a free list, and a group tag
@@ -8,7 +8,7 @@ prefetch and what to drop, and calls `store` (device -> host) and `load` (host -
 Its bytes are leased from the host-DRAM ledger (`memory/host_ledger.py`) before the buffer is
 allocated and returned by `close()`, so an oversized pool is a clear error, not an OOM kill.
 
-Lifecycle (time-multiplexing, SPEC §6): a pool may give its buffer and lease back between rollouts
+Lifecycle (host DRAM is time-multiplexed): a pool may give its buffer and lease back between rollouts
 (`suspend`) and take a new lease, of any size holding its used slots, at the next one (`resume`);
 the books (tags, free list) stay, the bytes do not: rollout/host_spill.py writes the live slots to
 NVMe first and reads them back after. `unleased` builds a pool that starts suspended with no page

@@ -1,4 +1,4 @@
-"""NVMe tensor store (SPEC §6; issue 7, item 3): spill named tensor groups to disk, restore them.
+"""NVMe tensor store: spill named tensor groups to disk, restore them.
 
 After a training iteration the master weights and optimizer states go to NVMe so their host DRAM
 can be lent to the KV pool; before the next one they come back. A *group* is a dict of named,

@@ -1,4 +1,4 @@
-"""Unified paged pool: MLA KV pages and KDA state pages of one size in one flat buffer (SPEC §5.1).
+"""Unified paged pool: MLA KV pages and KDA state pages of one size in one flat buffer.
 
 Words:
 - cache group: `group_layers` consecutive layers of one kind ("kda" or "mla"), taken in layer

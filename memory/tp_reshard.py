@@ -2,7 +2,7 @@
 
 A rank r of TP degree t holds KDA heads [r*H/t, (r+1)*H/t) of every KDA page, head-major from byte 0
 (`CacheLayout.shard`). A head's bytes (S and conv tails of every layer of the group) are one contiguous
-range (SPEC §5.1), so a rank's KDA page is a byte range of the TP-1 page, and moving pages from degree a
+range (head-major pages), so a rank's KDA page is a byte range of the TP-1 page, and moving pages from degree a
 to degree b is one byte-range copy per (source rank, destination rank) pair whose heads overlap: the copy
 itself re-slices, nothing is gathered whole and reshuffled afterwards.
 

@@ -1,4 +1,4 @@
-"""Token eviction inside long sequences, for the MLA layers (SPEC §5.3): H2O and InfiniGen.
+"""Token eviction inside long sequences, for the MLA layers: H2O and InfiniGen.
 
 A per-sequence budget caps the MLA cache entries (slots) a sequence holds on the device. KDA
 layers are untouched: their state is one page whatever the length. When a step would take a

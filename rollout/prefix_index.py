@@ -1,4 +1,4 @@
-"""The prefix cache's index (SPEC §5.2): chained hash blocks inside physical pages (issue 6, part 1).
+"""The prefix cache's index: chained hash blocks inside physical pages.
 
 Granularities are decoupled: a *hash block* (default 512 tokens) is the unit of reuse, a physical
 page holds `block_tokens` tokens (a multiple of the hash block; 6,144 at real size). Hashes are

@@ -1,4 +1,4 @@
-"""VPP model chunks: contiguous layer ranges trained chunk by chunk (issue 4, first part).
+"""VPP model chunks: contiguous layer ranges trained chunk by chunk.
 
 A chunk owns a contiguous range of decoder layers; the embedding belongs to the first chunk, the
 final norm and the output head to the last (a tied head stays with the embedding, in chunk 0).

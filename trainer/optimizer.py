@@ -240,7 +240,7 @@ class ShardedHostAdamW:
         tensors += [v for st in self.adam.state.values() for v in st.values() if torch.is_tensor(v)]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
-    # ---- NVMe spill (SPEC §6: host DRAM is time-multiplexed) --------------------------------------
+    # ---- NVMe spill (host DRAM is time-multiplexed) -----------------------------------------------
     @property
     def is_spilled(self) -> bool:
         return self.store is not None

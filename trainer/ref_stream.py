@@ -1,4 +1,4 @@
-"""The reference model on the trainer's FP32 gradient slots (SPEC §6, issue 7 item 4).
+"""The reference model on the trainer's FP32 gradient slots, idle between updates.
 
 The KL term needs log p_ref of every trained token: one forward of a frozen copy of the initial
 policy per iteration. Kept resident it would cost a whole model of device memory for a forward

@@ -57,9 +57,9 @@ def test_kimi_linear_48b_block_tokens():
     assert bf16.kda_unit_elems == 128 * 128 + 3 * 3 * 128
     assert bf16.kda_state_bytes_per_group == 32 * 7 * 17536 * 2 == 7_856_128
     assert bf16.mla_token_bytes_per_group == 7 * 576 * 2 == 8064
-    # 7,856,128 / 8,064 = 974.2 -> 960: just under SPEC §5.1's "1,024-6,144" (see docs/memory.md)
+    # 7,856,128 / 8,064 = 974.2 -> 960: just under the target 1,024-6,144 tokens a page (docs/memory.md)
     assert (bf16.block_tokens, bf16.page_bytes) == (960, 7_856_128)
-    # the models' native fp32 state with a bf16 (or fp8) cache lands inside the SPEC's range
+    # the models' native fp32 state with a bf16 (or fp8) cache lands inside that range
     fp32_state = CacheLayout.for_model(BIG, cache_dtype=torch.bfloat16)
     fp8_cache = CacheLayout.for_model(BIG, cache_dtype=torch.float8_e4m3fn)
     assert (fp32_state.block_tokens, fp32_state.page_bytes) == (1936, 15_712_256)

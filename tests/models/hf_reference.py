@@ -1,7 +1,7 @@
 """Helpers that build transformers' KimiLinearForCausalLM (the independent reference) on CPU.
 
 transformers binds fla's Triton kernels when `fla` is importable; blocking the import keeps its
-torch fallbacks, which are what runs on CPU (see ../shared/notes/deps-cpu.md §7).
+torch fallbacks, which are what runs on CPU (fla's kernels need a GPU).
 """
 from __future__ import annotations
 

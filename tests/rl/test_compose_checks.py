@@ -1,5 +1,5 @@
-"""Issue 20's composition checks: every new key's bad value is refused when the config is composed,
-naming the key and its value, and `python -m rl.train` writes nothing (no run_dir, no .hydra record)."""
+"""Composition checks: a bad value of a data, task, eval or experiment key is refused when the config
+is composed, naming the key and its value, and `python -m rl.train` writes nothing (no run_dir, no .hydra record)."""
 import json
 import subprocess
 import sys
@@ -23,7 +23,7 @@ def user_files(tmp_path, monkeypatch):
 
 
 def bad_values(tmp_path):
-    """(overrides, words the error must contain) for each kind of bad value the issue lists."""
+    """(overrides, words the error must contain) for each kind of bad value checked."""
     return [
         (["data.train_files=[nope.jsonl]"], r"data.train_files: \['nope.jsonl'\] do not exist"),
         (["data.val_files=[train.csv]"], r"data.val_files: \['train.csv'\] do not exist"),

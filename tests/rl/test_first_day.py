@@ -1,4 +1,4 @@
-"""A user's first day (issue 20's acceptance): a jsonl of arithmetic problems, a reward.py in verl's
+"""A user's first day: a jsonl of arithmetic problems, a reward.py in verl's
 convention, a tokenizer directory with a chat template; train 3 iterations with 2 PPO epochs and a
 validation at every iteration, resume for one more, export, reload the export with transformers and
 compare logits."""

@@ -1,4 +1,4 @@
-"""Sweeps (issue 20): `python -m rl.train -m key=a,b` runs one job per value, each in its own run_dir
+"""Sweeps: `python -m rl.train -m key=a,b` runs one job per value, each in its own run_dir
 (the experiment's timestamped default plus -job<N>); a plain start gets a fresh timestamped run_dir."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""The run's `tokenizer` group (issue 20): a local tokenizer directory with a chat template drives an
+"""The run's `tokenizer` group: a local tokenizer directory with a chat template drives an
 RL run; the old `task.tokenizer` key still works with a warning; a tokenizer larger than the model's
 vocabulary and a directory that needs remote code are refused before anything is written."""
 import json

@@ -1,4 +1,4 @@
-"""The host KV pool time-multiplexed with the training states (issue 19): its lease is returned
+"""The host KV pool time-multiplexed with the training states: its lease is returned
 between rollouts, its live contents (parked partial rollouts, prefix entries) go to NVMe and come back
 bit for bit; stale KV is dropped by policy, or reused and tagged with its version."""
 import copy

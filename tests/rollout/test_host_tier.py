@@ -1,4 +1,4 @@
-"""The host KV pool as the prefix cache's second tier (issue 7): write-back on eviction, prefetch
+"""The host KV pool as the prefix cache's second tier: write-back on eviction, prefetch
 before reuse, KDA checkpoints moving with their MLA pages, sleep/wake parking paused sequences."""
 import random
 

@@ -1,4 +1,4 @@
-"""Optimizer host states spilled to the NVMe tensor store and restored (SPEC §6, issue 7)."""
+"""Optimizer host states spilled to the NVMe tensor store and restored, bit for bit."""
 import dataclasses
 
 import pytest
