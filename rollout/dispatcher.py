@@ -1,4 +1,4 @@
-"""Request dispatch with auto-throttling (SPEC §5.4): how many requests to keep in the engine.
+"""Request dispatch with auto-throttling: how many requests to keep in the engine.
 
 The RL driver hands the dispatcher a backlog of `Submission`s (each with, for multi-turn
 trajectories, a `FollowUp` that turns a finished turn into the next turn's submissions). The dispatcher keeps at most

@@ -1,4 +1,4 @@
-"""The host KV pool's NVMe round trip between rollouts: seed 003's time-multiplexing of host DRAM.
+"""The host KV pool's NVMe round trip between rollouts, so host DRAM is time-multiplexed.
 
 Between two rollouts the host DRAM belongs to the training states (restored from NVMe for the
 update); during a rollout it belongs to the host KV pool. So, with the engine asleep after a rollout

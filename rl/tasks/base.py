@@ -1,4 +1,4 @@
-"""The environment protocol every task implements (issue 5).
+"""The environment protocol every task implements.
 
 An episode: `reset(seed)` returns the first prompt (text); the policy answers; `step(answer)`
 returns a StepResult with the next observation (the text appended to the conversation before

@@ -1,4 +1,4 @@
-"""Training attention and KDA in memory linear in the sequence length (issue 16, items 1-2).
+"""Training attention and KDA in memory linear in the sequence length.
 
 MLA in training (`PackedMixer.mla`) runs `models.mla.causal_attention` (flash / memory-efficient
 SDPA kernels, never the [L, L] scores); its plain twin `causal_attention_dense` is the former path.

@@ -1,4 +1,4 @@
-"""Environment calls on worker threads (issue 21): tool latency hidden behind generation, the same
+"""Environment calls on worker threads: tool latency hidden behind generation, the same
 trajectories as inline calls, timeouts and retries on fresh environments, the failure policy, async
 environments, and the token-in/token-out invariant (the engine's prompts are prefixes of what the
 trainer scores; the policy tokens are exactly the engine's samples)."""

@@ -1,4 +1,4 @@
-"""Host DRAM time-multiplexed for real (issue 19): one ledger budget too small for the training states
+"""Host DRAM time-multiplexed for real: one ledger budget too small for the training states
 and the host KV pool together, larger than either; the run completes using both, the pool's
 contents crossing the train phase on NVMe."""
 import json

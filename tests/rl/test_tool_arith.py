@@ -60,7 +60,7 @@ SMALL = ["warmup.steps=0", "experiment.iterations=1", "rollout.groups_per_iterat
 
 def test_the_agentic_preset_runs_its_tools_on_workers(tmp_path):
     """From a random init (no warm-up here) few calls are well formed: the run's prefix hits across
-    turns are in the README's figures of the full preset; tests/rl/test_env_async.py has them on workers."""
+    turns are in docs/agentic.md's figures of the full preset; tests/rl/test_env_async.py has them on workers."""
     cfg = composed("experiment=agentic", f"run_dir={tmp_path / 'run'}", *SMALL)
     assert cfg.env.workers > 0 and cfg.engine.prefix_cache is not None and cfg.task.name == "tool_arith"
     (h,) = run(cfg)  # the driver asserts, turn by turn, that the engine's prompts are the trainer's tokens
