@@ -1,4 +1,4 @@
-"""The current main job (`make run`): build or load a model and sample text with a plain loop.
+"""Sample text from a model built or loaded here, with a plain loop (no engine, no page pool).
 
     python -m models.sample --config configs/model/tiny.yaml --max-new-tokens 48
     python -m models.sample --checkpoint DIR --prompt "..."
