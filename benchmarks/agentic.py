@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.env_runner import EnvConfig
-from rl.rollout import DriverConfig, RolloutDriver, mix_seed
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.episodes.env_runner import EnvConfig
+from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
 
 TASK = "bench_tool"

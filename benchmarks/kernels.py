@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from benchmarks import parse_args
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
 from kernels.mla.paged import paged_mla_decode
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--small", action="store_true", help="small shapes (fast smoke run)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--block-tokens", type=int, default=1024)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"small": True, "repeats": 3})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     native = device.type == "cuda"
     gen = torch.Generator(device="cpu").manual_seed(0)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--max-fetch", type=int, default=32)
     p.add_argument("--config", default="configs/model/tiny.yaml")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"prompts": 2, "new_tokens": 128, "budget": 64})
 
     model = HybridLM(load_model_config(args.config)).init_weights(seed=args.seed, std=0.15).eval()
     gen = torch.Generator().manual_seed(args.seed)

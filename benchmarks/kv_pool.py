@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from benchmarks import parse_args
 from benchmarks.kv_multiplex import multiplex_arguments, multiplexed
 from benchmarks.prefix_cache import make_trace, run, trace_arguments
 from models.config import load_model_config
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = multiplex_arguments(trace_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0])))
     p.add_argument("--pages", type=int, default=40, help="device pool pages (too few for the working set)")
     p.add_argument("--host-pages", type=int, default=2000)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"sessions": 4, "turns": 3, "pages": 24})
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=args.seed, std=0.1).eval()
     system, users = make_trace(args.sessions, args.turns, args.seed)
     common = (model, system, users, args.hash_block, args.new_tokens)

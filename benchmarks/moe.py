@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import parse_args
 from benchmarks.kernels import bench
 from models.mlp import experts_dense, experts_grouped, experts_loop, grouped_mm_usable
 from models.precision import DTYPES
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backward", action="store_true", help="time forward + backward")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"num_tokens": 128, "repeats": 1})
     r = measure(args.num_experts, args.top_k, args.hidden, args.inter, args.num_tokens, DTYPES[args.dtype],
                 args.repeats, backward=args.backward, paths=("grouped", "padded", "dense"))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from benchmarks import parse_args
 from memory.nvme_store import NvmeStore, NvmeStoreConfig
 
 # Same op cache as the Makefile, so running this outside `make` does not rebuild async_io (~3 min).
@@ -109,7 +110,7 @@ def store_round(store: NvmeStore, groups: dict[str, dict[str, torch.Tensor]]) ->
     return spill_s, restore_s
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=2.0)
     p.add_argument("--dir", default=".cache/nvme_bench", help="a directory on the disk to measure (not tmpfs)")
@@ -119,7 +120,7 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=NvmeStoreConfig.queue_depth)
     p.add_argument("--threads", type=int, default=NvmeStoreConfig.threads)
     p.add_argument("--chunk-mib", type=int, default=NvmeStoreConfig.chunk_bytes >> 20)
-    args = p.parse_args()
+    args = parse_args(p, argv, quick={"gib": 0.25, "rounds": 1})
 
     cfg = NvmeStoreConfig(backend=args.backend, block_size=args.block_size_kib << 10, queue_depth=args.queue_depth,
                           threads=args.threads, chunk_bytes=args.chunk_mib << 20)

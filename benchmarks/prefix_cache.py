@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--pages", type=int, default=2000, help="pool pages (large: nothing evicted)")
     p.add_argument("--small-pages", type=int, default=48,
                    help="pool pages of the eviction comparison (turn-aware vs LRU); 0 skips it")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"sessions": 4, "turns": 3, "small_pages": 24})
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=args.seed, std=0.1).eval()
     system, users = make_trace(args.sessions, args.turns, args.seed)
     ours, requests, hits, computed = run(model, system, users, args.hash_block, args.new_tokens, args.pages)

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from trainer.chunks import ChunkedModel
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--no-pin-malloc", action="store_true", help="leave glibc malloc's adaptive thresholds on")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 0 = torch's default (see the module docstring)")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"sequences": 16, "repeats": 2})
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if not args.no_pin_malloc and not pin_malloc():

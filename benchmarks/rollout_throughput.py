@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import parse_args
 from models.checkpoint import save_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; each side's fastest run counts")
     p.add_argument("--skip-hf", action="store_true", help="time only our engine")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"num_prompts": 8, "new_tokens": 16, "repeats": 1})
 
     model = HybridLM(load_model_config(args.config)).init_weights(seed=args.seed, std=0.1).eval()
     gen = torch.Generator().manual_seed(args.seed)

@@ -22,7 +22,7 @@ slots and host AdamW), with `engine.max_model_len=256`, `trainer.num_chunks=--ch
 - (c) one `Trainer.train_step` on --train-seqs random sequences x --train-len tokens; seconds.
 - host syncs of a decode step (tests/sync_audit.py); the MoE's grouped vs per-expert-loop speed at
   this model's MoE shape and the train step's token count (benchmarks/moe.py, measured first); the
-  memory planner's relative error (rl/plan_model.py `plan_sizes` on this run's config and train
+  memory planner's relative error (rl/plan/model.py `plan_sizes` on this run's config and train
   batch) on each consumer it sizes: weights, the whole pool, grad slots, the saved-tensor peak,
   host masters and moments.
 The FP32 gradient slots are the same bytes in both dtypes, so the ratio is bounded below by
@@ -48,10 +48,10 @@ from benchmarks.moe import measure as measure_moe
 from benchmarks.train_step import SavedTensorMeter
 from models.config import ModelConfig, load_model_config
 from rl.config import RunConfig, compose_run_config
-from rl.orchestrator import LoopParts
-from rl.plan_config import ClusterConfig, PlanOptions
-from rl.plan_model import plan_sizes
-from rl.train import build
+from rl.run.loop import LoopParts
+from rl.plan.cluster import ClusterConfig, PlanOptions
+from rl.plan.model import plan_sizes
+from rl.run.build import build
 from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 from tests.sync_audit import audit_step
@@ -63,8 +63,11 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def run_config(model: str, dtype: str, run_dir: Path, args: argparse.Namespace) -> RunConfig:
-    """The composed RL config of one side (`model`: a configs/model/ name; `dtype`: "fp32" | "bf16")."""
-    overrides = [f"model={model}", f"experiment.dtype={dtype}", f"run_dir={run_dir}", "tracking.wandb_mode=disabled",
+    """The composed RL config of one side (`model`: a configs/model/ name; `dtype`: "fp32" | "bf16"): the
+    components' defaults and this benchmark's choices, not a demo's (`~experiment` drops the default
+    experiment=cpu_demo, whose host KV pool, prefix cache, spill and warm-up are no part of this measurement)."""
+    overrides = ["~experiment", "engine.host_pool_mb=0",  # device bytes: no host KV pool
+                 f"model={model}", f"experiment.dtype={dtype}", f"run_dir={run_dir}", "tracking.wandb_mode=disabled",
                  "tracking.progress=false", f"engine.max_model_len={MAX_MODEL_LEN}", "engine.max_num_batched_tokens=4096",
                  f"engine.pool_mb={args.pool_mb}", f"trainer.num_chunks={args.chunks}",
                  f"trainer.chunk_split={args.chunk_split}", "algo.loss.kl_coef=0",
@@ -92,7 +95,7 @@ class DtypeFigures:
     activation_bytes: int
     """Peak of saved tensors + chunk inputs, one live set."""
     saved_bytes: int
-    """Peak of the saved tensors alone (what rl/plan_activation.py predicts)."""
+    """Peak of the saved tensors alone (what rl/plan/activation.py predicts)."""
     host_state_bytes: dict[str, int]
     """The host optimizer's bytes by kind after the step (masters, grads, moments)."""
     train_s: float
@@ -159,7 +162,7 @@ def measure_train_step(trainer: Trainer, seq_lens: list[int], vocab: int) -> tup
     meter, saved = SavedTensorMeter(), SavedTensorMeter()
     handles = meter.track_chunk_inputs(trainer)
     # Matmuls save the weights for backward: those are the parameters, counted as weights and alive
-    # all along, so left out here as rl/plan_activation.py's meter leaves them out.
+    # all along, so left out here as rl/plan/activation.py's meter leaves them out.
     weights = {t.untyped_storage()._cdata for t in [*trainer.model.parameters(), *trainer.model.buffers()]}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -208,7 +211,7 @@ def moe_grouped_vs_loop(cfg: ModelConfig, num_tokens: int) -> float:
 
 def planner_max_rel_err(runs: dict[str, DtypeFigures], train_len: int) -> float:
     """Max relative error, over both dtypes and every consumer it sizes, of the memory planner's
-    bytes (rl/plan_model.py `plan_sizes`, one CPU rank, trajectories of train_len + 1 tokens) vs
+    bytes (rl/plan/model.py `plan_sizes`, one CPU rank, trajectories of train_len + 1 tokens) vs
     those measured in the run: weights, the whole pool, grad slots, the saved-tensor peak, host
     masters and moments (with their step counters). Prints each consumer's error."""
     errors = []

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--forks", type=int, default=4, help="samples of every fourth request (1 = no forks)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"requests": 12, "new_tokens": 48})
     torch.set_num_threads(1)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15).eval()
     prompts, params = workload(args.requests, args.new_tokens, args.seed, args.forks)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--repeats", type=int, default=3, help="rounds over all settings; each setting's best counts")
     p.add_argument("--prefix-cache", type=int, default=None, metavar="HASH_BLOCK",
                    help="turn the engine's prefix cache on with this hash block (every setting; later turns hit)")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"conversations": 8, "turns": 3, "repeats": 1})
     args.max_len = args.turns * (args.user_tokens + args.answer_tokens) + 1
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1).eval()
     results: dict[str, dict[str, float]] = {}

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--config", default="configs/model/tiny.yaml")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, quick={"tokens": 1024, "repeats": 1})
     cfg = load_model_config(args.config)
     lens, tokens, targets, weights = batch(args.tokens, vocab_size=min(256, cfg.vocab_size))
     lr = 1e-4

@@ -2,7 +2,7 @@
 
 Evaluates one published checkpoint of an RL run on its held-out prompts, outside the run: the run's
 stored config (the checkpoint's run_config.json) with the given overrides, the checkpoint's weights
-in a fresh engine, one evaluation as the loop's `eval` phase does it (rl/validation.py).
+in a fresh engine, one evaluation as the loop's `eval` phase does it (rl/episodes/validation.py).
 
     run_dir     the run (its checkpoints are run_dir/checkpoints/iter_N); required
     iteration   which checkpoint; default: the newest that verifies (as a resume picks it)
@@ -27,12 +27,12 @@ from omegaconf import OmegaConf
 from memory.durable import write_durable
 from models.checkpoint import load_checkpoint
 from models.tokenizer import load_tokenizer
-from rl.checkpoint import RUN_CONFIG, checkpoint_info
+from rl.run.checkpoint import RUN_CONFIG, checkpoint_info
 from rl.config import RunConfig, to_run_config, upgrade_stored_config, writable
-from rl.data import load_rows
-from rl.env_runner import EnvRunner
+from rl.envs.data import load_rows
+from rl.episodes.env_runner import EnvRunner
 from rl.export.cli import pick_checkpoint, run_command
-from rl.validation import evaluate
+from rl.episodes.validation import evaluate
 from rollout.engine import Engine
 
 OWN_ARGS = ("run_dir", "iteration", "out")

@@ -48,7 +48,7 @@ from models.precision import KEEP_FP32, parse_dtype
 from models.tokenizer import ByteTokenizer
 
 RUN_CONFIG = "run_config.json"
-"""The run's resolved config, stored in every checkpoint (rl/checkpoint.py writes it)."""
+"""The run's resolved config, stored in every checkpoint (rl/run/checkpoint.py writes it)."""
 HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _SAFETENSORS_DTYPE = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from rl.checkpoint import CheckpointDamaged, checkpoint_name, complete_checkpoints, find_resumable, verify
+from rl.run.checkpoint import CheckpointDamaged, checkpoint_name, complete_checkpoints, find_resumable, verify
 from rl.export import ExportError, export_checkpoint, parse_size
 
 

@@ -21,7 +21,7 @@ from models.config import load_model_config
 from models.mla import causal_attention, causal_attention_dense
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
-from rl.plan_activation import SavedTensorMeter
+from rl.plan.activation import SavedTensorMeter
 
 TINY = "configs/model/tiny.yaml"
 

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from rl.tools import python_exec
-from rl.tasks.base import make_task
-from rl.tasks.code_reward import CodeReward, extract_code, harness_program, parse_summary, parse_tests
-from rl.tools.python_exec import close_sandboxes, shared_sandbox
+from rl.envs.tools import python_exec
+from rl.envs.tasks.base import make_task
+from rl.envs.tasks.code_reward import CodeReward, extract_code, harness_program, parse_summary, parse_tests
+from rl.envs.tools.python_exec import close_sandboxes, shared_sandbox
 
 FAST = dict(wall_time_s=2.0, test_time_s=0.5, memory_mb=256, max_output_bytes=4096, workers=2)
 TESTS = ["assert add1(1) == 2", "assert add1(-1) == 0", "assert add1(41) == 42"]
@@ -97,7 +97,7 @@ def test_failures_score_zero_with_their_reason_and_never_raise(answer, reason):
 
 def test_printed_summary_lines_and_an_early_exit_do_not_fake_a_pass():
     forged = ("import sys\ndef add1(x):\n    return -5\n"
-              "for tag in ('@@code_reward-0', '@@code_reward-' + '0' * 32, 'T'):\n"
+              "for tag in ('rl.code_reward-0', 'rl.code_reward-' + '0' * 32, 'T'):\n"
               "    print(tag, 'ok', 3, 3, 0)\n    print('\\n' + tag + ' ok 3 3 0', file=sys.stderr)\n"
               "sys.exit(0)\n")  # exiting 0 before the tests does not skip them
     out = score(forged)

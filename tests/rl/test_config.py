@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 
 from rl.config import (CONFIGS, PREFIX_CACHE_MODEL_ID, DeprecatedKeyWarning, RunConfig, compose_run_config,
                        upgrade_overrides)
-from rl.train import resolved_config
+from rl.config.resume import resolved_config
 
 
 def default_run(*overrides: str) -> RunConfig:

@@ -11,8 +11,9 @@ import pytest
 from models.checkpoint import save_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
-from rl.checkpoint import RUN_CONFIG
-from rl.train import RESUME_MAY_CHANGE, check_config_drift, resolved_config, run
+from rl.run.checkpoint import RUN_CONFIG
+from rl.train import run
+from rl.config.resume import RESUME_MAY_CHANGE, check_config_drift, resolved_config
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL
 

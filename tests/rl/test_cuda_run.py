@@ -15,8 +15,9 @@ import torch
 from models.checkpoint import load_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
-from rl.ranks import Ranks
-from rl.train import build, run
+from rl.run.ranks import Ranks
+from rl.train import run
+from rl.run.build import build
 from tests.rl.test_config import composed
 from tests.rl.test_distributed_run import RUN, final_weights, launch, metrics, ok
 from tests.rl.test_train_run import SMALL, records

@@ -1,8 +1,8 @@
-"""Data rows from files (rl/data.py): formats, load errors, the sampler's order and resume position."""
+"""Data rows from files (rl/envs/data.py): formats, load errors, the sampler's order and resume position."""
 import json
 import pytest
 
-from rl.data import DataConfig, DataExhausted, RowSampler, load_rows
+from rl.envs.data import DataConfig, DataExhausted, RowSampler, load_rows
 
 
 def write_jsonl(path, records):
@@ -129,7 +129,7 @@ def test_sampler_resume_continues_the_epoch_and_stops_after_the_last():
 
 
 def test_the_data_command_previews_each_split_and_scores_the_labels(tmp_path, monkeypatch, capsys):
-    from rl.data.__main__ import main
+    from rl.envs.data.__main__ import main
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "train.jsonl", [{"q": f"{i}+1", "a": str(i + 1)} for i in range(5)])
     write_jsonl(tmp_path / "val.jsonl", [{"q": "9+1", "a": "10"}])

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
-import rl.ranks
+import rl.run.ranks
 from models.checkpoint import load_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
-from rl.ranks import Ranks, init_ranks
+from rl.run.ranks import Ranks, init_ranks
 from rl.train import run
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL, records
@@ -53,7 +53,7 @@ def test_init_ranks_puts_a_cuda_rank_on_its_gpu_and_refuses_too_few_gpus(monkeyp
     one = init_ranks("cuda")  # one process: no process group
     assert one.device == torch.device("cuda", 0) and one.world == 1 and one.group is None and current == [0]
     # two ranks on a node with one visible GPU: refused before any process group starts
-    monkeypatch.setattr(rl.ranks.dist, "init_process_group", lambda *a, **k: pytest.fail("process group started"))
+    monkeypatch.setattr(rl.run.ranks.dist, "init_process_group", lambda *a, **k: pytest.fail("process group started"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

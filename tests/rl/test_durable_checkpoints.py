@@ -1,4 +1,4 @@
-"""Checkpoints that survive power loss (rl/checkpoint.py): a manifest of sizes and digests, fsync
+"""Checkpoints that survive power loss (rl/run/checkpoint.py): a manifest of sizes and digests, fsync
 before publishing, retention of the last K, and a resume that falls back past a damaged newest
 checkpoint and still reproduces the uninterrupted run bit for bit."""
 import json
@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 from memory.durable import file_digest
 from rl import checkpoint as ckpt
-from rl.checkpoint import CheckpointDamaged, find_resumable, save_iteration
+from rl.run.checkpoint import CheckpointDamaged, find_resumable, save_iteration
 from rl.config import CheckpointConfig
-from rl.train import build, run
+from rl.train import run
+from rl.run.build import build
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL, records
 
@@ -238,7 +239,7 @@ def test_save_checkpoint_fsyncs_each_file_before_its_rename_and_the_directory_la
 
 
 def test_resume_reads_its_pickles_with_weights_only(straight, tmp_path, monkeypatch):
-    """rl/checkpoint.py's torch.load never unpickles arbitrary objects (weights_only=True)."""
+    """rl/run/checkpoint.py's torch.load never unpickles arbitrary objects (weights_only=True)."""
     copy = _copy(straight, tmp_path)
     parts = build(composed(f"run_dir={copy}", *RUN), resume_from=None)
     calls: list[tuple[str, object]] = []

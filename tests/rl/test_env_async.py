@@ -12,9 +12,9 @@ import pytest
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.env_runner import EnvConfig, EnvRunner, EnvTimeout
-from rl.rollout import DriverConfig, RolloutDriver, mix_seed
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.episodes.env_runner import EnvConfig, EnvRunner, EnvTimeout
+from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 

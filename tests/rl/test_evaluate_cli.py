@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rl.evaluate import EvaluateError, main, split_args, stored_config
-from rl.train import resolved_config
+from rl.config.resume import resolved_config
 from tests.rl.test_config import composed
 
 

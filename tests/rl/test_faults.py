@@ -13,10 +13,10 @@ from typing import ClassVar
 import pytest
 
 import rl.train
-from rl.orchestrator import RunBroken
-from rl.ranks import merge_metrics
-from rl.rollout import DROP_REASONS
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.run.loop import RunBroken
+from rl.run.ranks import merge_metrics
+from rl.episodes.driver import DROP_REASONS
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rl.train import run
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import ROOT, SMALL

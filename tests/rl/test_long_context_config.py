@@ -9,9 +9,9 @@ import pytest
 from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import ByteTokenizer
-from rl.plan_model import cache_layout
-from rl.rollout import DriverConfig, RolloutDriver, mix_seed
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.plan.model import cache_layout
+from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rl.train import run
 from rollout import ContextTooLong
 from rollout.engine import Engine, EngineConfig

@@ -3,7 +3,7 @@ import string
 
 import pytest
 
-from rl.tasks import TASKS, make_task
+from rl.envs.tasks import TASKS, make_task
 
 
 def run_episode(env, seed, policy):
@@ -131,7 +131,7 @@ def test_registry_and_bad_arguments():
 
 
 def test_bare_letter_calls_when_brackets_are_off():
-    from rl.tasks.lookup import KeyLookup
+    from rl.envs.tasks.lookup import KeyLookup
 
     env = KeyLookup(brackets=False)
     key = env.reset(3)[4]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from memory.host_ledger import HostBudgetExceeded
-from rl.plan import make_plan
-from rl.plan_config import ClusterConfig, PlanOptions
+from rl.plan.cli import make_plan
+from rl.plan.cluster import ClusterConfig, PlanOptions
 from rl.train import run
 from tests.rl.test_config import composed
 from tests.rl.test_plan import prompt_len

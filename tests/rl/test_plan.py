@@ -1,6 +1,6 @@
-"""rl/plan.py: the memory planner against measured runs, its verdicts, and the command line.
+"""rl/plan/cli.py: the memory planner against measured runs, its verdicts, and the command line.
 
-The planner's figures must be what a run logs in phases.jsonl (rl/orchestrator.py `Phases.memory`),
+The planner's figures must be what a run logs in phases.jsonl (rl/run/loop.py `Phases.memory`),
 consumer by consumer and phase by phase: bytes of the weights, pools, slots, optimizer states,
 reference and spill files exactly; the activation peak (autograd's saved tensors, probed on the meta
 device) within 5% (the probe's loss is a plain sum, the run's the GRPO loss: a few [B, T] tensors)."""
@@ -16,10 +16,10 @@ from models.config import load_model_config
 from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import load_tokenizer
-from rl.plan import main, make_plan, phase_records
-from rl.plan_activation import SavedTensorMeter, activation_peak_bytes
-from rl.plan_config import ClusterConfig, PlanOptions
-from rl.plan_model import moe_grouped_mm
+from rl.plan.cli import main, make_plan, phase_records
+from rl.plan.activation import SavedTensorMeter, activation_peak_bytes
+from rl.plan.cluster import ClusterConfig, PlanOptions
+from rl.plan.model import moe_grouped_mm
 from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import CONFIGS, composed
@@ -184,7 +184,7 @@ def test_command_line_refuses_a_bad_config_naming_it(tmp_path, argv, message):
 
 
 def test_phase_records_are_what_the_memory_plot_reads(tmp_path):
-    from rl.tracking import _plot_memory
+    from rl.run.tracking import _plot_memory
 
     plan = make_plan(composed(), CPU)
     recs = phase_records(plan)

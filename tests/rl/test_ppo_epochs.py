@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from models.config import load_model_config
 from models.model import HybridLM
 from rl.config import AlgoConfig
-from rl.rollout import Trajectory
-from rl.update import PackedBatch, mini_batch_split, old_logprobs, policy_update
+from rl.episodes.driver import Trajectory
+from rl.run.update import PackedBatch, mini_batch_split, old_logprobs, policy_update
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, Segments, rl_loss
 from trainer.optimizer import OptimizerConfig

@@ -16,7 +16,8 @@ from models.checkpoint import save_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
 from models.precision import cast_parameters
-from rl.train import build, run
+from rl.train import run
+from rl.run.build import build
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL, records
 

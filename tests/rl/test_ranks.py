@@ -1,4 +1,4 @@
-"""rl/ranks.py without torchrun: the group shares, the metric merge rules, the weight checksum, the
+"""rl/run/ranks.py without torchrun: the group shares, the metric merge rules, the weight checksum, the
 disagreement error; and the data-parallel rollout's invariant (two ranks' drivers generate, between
 them, exactly the one-rank driver's trajectories)."""
 import math
@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.ranks import Ranks, merge_metrics, require_same, weights_checksum
-from rl.rollout import DriverConfig, RolloutDriver
+from rl.run.ranks import Ranks, merge_metrics, require_same, weights_checksum
+from rl.episodes.driver import DriverConfig, RolloutDriver
 from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import composed
@@ -150,7 +150,7 @@ def test_collectives_over_gloo_and_the_checksum_error_on_every_rank(tmp_path):
 
 
 def test_micro_batch_metrics_are_combined_not_the_last_one():
-    from rl.update import combine_micro_batches
+    from rl.run.update import combine_micro_batches
 
     parts = [(30.0, {"pg_loss": 1.0, "ratio_max": 1.5, "num_tokens": 30.0, "kl": 0.2}),
              (10.0, {"pg_loss": 3.0, "ratio_max": 1.25, "num_tokens": 10.0, "kl": 0.6}),

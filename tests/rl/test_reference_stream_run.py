@@ -4,7 +4,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from rl.train import build, run
+from rl.train import run
+from rl.run.build import build
 from tests.rl.test_config import composed
 from tests.rl.test_train_run import SMALL
 from trainer.ref_stream import StreamedReference

@@ -8,8 +8,8 @@ import torch
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import TokenizerConfig, load_tokenizer
-from rl.rollout import DriverConfig, RolloutDriver
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.episodes.driver import DriverConfig, RolloutDriver
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
 from tests.tokenizer_dirs import BOS, END_OF_TEXT, EOS, IM_END, PAD, build_bpe_tokenizer
 

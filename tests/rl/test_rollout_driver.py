@@ -7,8 +7,8 @@ import pytest
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.rollout import DriverConfig, RolloutDriver, mix_seed
-from rl.tasks.base import TASKS, StepResult, register_task
+from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
+from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 

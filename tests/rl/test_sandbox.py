@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rl.tools.sandbox import REASONS, ExecResult, Sandbox, SandboxConfig
+from rl.envs.tools.sandbox import REASONS, ExecResult, Sandbox, SandboxConfig
 
 IS_ROOT = os.geteuid() == 0
 SMALL = dict(cpu_time_s=2.0, wall_time_s=4.0, memory_mb=256, max_output_bytes=4096, max_file_bytes=65536,

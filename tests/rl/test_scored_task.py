@@ -5,11 +5,11 @@ import pytest
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.data import RowSampler
-from rl.ranks import merge_metrics
-from rl.rollout import DriverConfig, RolloutDriver
-from rl.tasks.base import make_task
-from rl.tasks.digits import MajorityDigit
+from rl.envs.data import RowSampler
+from rl.run.ranks import merge_metrics
+from rl.episodes.driver import DriverConfig, RolloutDriver
+from rl.envs.tasks.base import make_task
+from rl.envs.tasks.digits import MajorityDigit
 from rollout.engine import Engine, EngineConfig
 
 REWARD = '''
@@ -56,14 +56,14 @@ def test_scored_task_errors_name_the_file_and_function(tmp_path, reward_path):
 
 
 def test_tasks_by_import_path():
-    env = make_task("rl.tasks.digits:MajorityDigit", length=5)
+    env = make_task("rl.envs.tasks.digits:MajorityDigit", length=5)
     assert isinstance(env, MajorityDigit) and env.length == 5
     with pytest.raises(ValueError, match="no_such_pkg.env:Env.*cannot import module 'no_such_pkg.env'"):
         make_task("no_such_pkg.env:Env")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
-        make_task("rl.tasks.digits:Nope")
+        make_task("rl.envs.tasks.digits:Nope")
     with pytest.raises(ValueError, match="'register_task' is a function, expected a class"):
-        make_task("rl.tasks.digits:register_task")
+        make_task("rl.envs.tasks.digits:register_task")
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         make_task("nope")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from rl.tasks import TASKS, make_task
+from rl.envs.tasks import TASKS, make_task
 
 
 def test_majority_digit_prompts_have_a_unique_answer_and_rewards_are_honest():

@@ -1,13 +1,13 @@
-"""The agentic example (rl/tasks/tool_arith.py) and its python_exec tool (rl/tools/python_exec.py): the
+"""The agentic example (rl/envs/tasks/tool_arith.py) and its python_exec tool (rl/envs/tools/python_exec.py): the
 tool runs model-written code in the sandbox, the task needs it, and the preset's run keeps the
 engine's tokens as the trainer's and reuses each first turn's KV for the second."""
 import json
 
 import pytest
 
-from rl.tasks import make_task
-from rl.tools.python_exec import run_python, shared_sandbox, with_printed_value
-from rl.tools.sandbox import SandboxConfig
+from rl.envs.tasks import make_task
+from rl.envs.tools.python_exec import run_python, shared_sandbox, with_printed_value
+from rl.envs.tools.sandbox import SandboxConfig
 from rl.train import run
 from tests.rl.test_config import composed
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rl.tools.calls import (PARSERS, JsonTagsParser, ParsedCalls, PythonTagParser, Tool, ToolCall, ToolCallParser,
+from rl.envs.tools.calls import (PARSERS, JsonTagsParser, ParsedCalls, PythonTagParser, Tool, ToolCall, ToolCallParser,
                             ToolError, ToolRegistry, format_result, make_parser, register_parser, result_text)
 from tests.tokenizer_dirs import build_bpe_tokenizer
 

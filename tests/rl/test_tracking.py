@@ -1,4 +1,4 @@
-"""rl/tracking.py: metric files survive kills and resumes, plots and summary are written, wandb
+"""rl/run/tracking.py: metric files survive kills and resumes, plots and summary are written, wandb
 is wired to persist its run id. wandb is always disabled or faked: no test touches the network."""
 import json
 import sys
@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from rl.tracking import Tracker, TrackingConfig, read_jsonl
+from rl.run.tracking import Tracker, TrackingConfig, read_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OFF = TrackingConfig(wandb_mode="disabled", progress=False)

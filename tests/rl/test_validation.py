@@ -1,4 +1,4 @@
-"""Validation (rl/validation.py) on the tiny engine: held-out episodes, pass@k / mean@k, the dump,
+"""Validation (rl/episodes/validation.py) on the tiny engine: held-out episodes, pass@k / mean@k, the dump,
 an engine left as found, the training rollout undisturbed, and the loop's "eval" phase."""
 import json
 import math
@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import pytest
 
 from models.tokenizer import ByteTokenizer
-from rl.orchestrator import run_loop
-from rl.ranks import merge_metrics
-from rl.rollout import DriverConfig, RolloutDriver
-from rl.tasks.base import TASKS, register_task
-from rl.train import build
-from rl.validation import EvalConfig, eval_due, evaluate, evaluator
+from rl.run.loop import run_loop
+from rl.run.ranks import merge_metrics
+from rl.episodes.driver import DriverConfig, RolloutDriver
+from rl.envs.tasks.base import TASKS, register_task
+from rl.run.build import build
+from rl.episodes.validation import EvalConfig, eval_due, evaluate, evaluator
 from rollout.prefix_cache import PrefixCacheConfig
 from tests.rl.test_config import composed
 from tests.rl.test_rollout_driver import engine
@@ -277,7 +277,7 @@ class SlowLookup:
     steps = []  # every step's thread name (class-wide)
 
     def __post_init__(self):
-        from rl.tasks.base import make_task
+        from rl.envs.tasks.base import make_task
         self.inner = make_task("key_lookup", brackets=False)
         self.max_turns = self.inner.max_turns
 
@@ -305,7 +305,7 @@ def test_environment_steps_on_the_worker_pool_give_the_inline_evaluation():
     # env.workers > 0: the steps run on the pool while the engine steps the other samples; greedy
     # results, dump included, equal the inline evaluation's. A step that raises or outlives the pool's
     # timeout ends its sample with the error; the evaluation completes.
-    from rl.env_runner import EnvRunner
+    from rl.episodes.env_runner import EnvRunner
 
     cfg = EvalConfig(num_prompts=6, n=2, max_new_tokens=3, temperature=0.0)
     runs, runner = [], EnvRunner(4, timeout_s=1.0)

@@ -1,4 +1,4 @@
-"""rl/warmup.py: the supervised warm-up lowers the demonstrations' loss, runs once per run (a resume
+"""rl/run/warmup.py: the supervised warm-up lowers the demonstrations' loss, runs once per run (a resume
 reads its record and reproduces the uninterrupted run), and the summary separates its gain from RL's."""
 import json
 
@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
-from rl.figures import reward_figures
-from rl.ranks import Ranks
-from rl.tasks import make_task
+from rl.run.figures import reward_figures
+from rl.run.ranks import Ranks
+from rl.envs.tasks import make_task
 from rl.train import run
-from rl.warmup import WarmupConfig, demo_tokens, learning_rate, load_record, warmup_step
+from rl.run.warmup import WarmupConfig, demo_tokens, learning_rate, load_record, warmup_step
 from tests.rl.test_config import composed
 from trainer.step import Trainer, TrainerConfig
 
@@ -106,8 +106,8 @@ def test_the_summary_states_the_warmups_share_of_the_gain():
 
 def test_the_default_runs_summary_states_the_constant_answer_ceiling(tmp_path):
     """The task's best constant-answer reward is in summary.json, the bar the run must clear."""
-    from rl.figures import run_summary
-    from rl.tracking import Tracker, TrackingConfig
+    from rl.run.figures import run_summary
+    from rl.run.tracking import Tracker, TrackingConfig
 
     tracker = Tracker(tmp_path, TrackingConfig(wandb_mode="disabled", progress=False, plots=False), run_config={})
     tracker.log(0, {"reward_mean": 0.5})

@@ -197,14 +197,14 @@ def test_the_audit_catches_syncs_planted_in_an_engine_step(tiny_model):
 
 
 def test_a_train_step_syncs_once_per_micro_batch_outside_the_host_optimizer(capsys):
-    """A GRPO policy update (rl/update.py `policy_update` -> `Trainer.train_step`) of 4 trajectories in
+    """A GRPO policy update (rl/run/update.py `policy_update` -> `Trainer.train_step`) of 4 trajectories in
     3 micro-batches on the tiny model, counted and printed with its sites. Budget, besides the host
     optimizer (trainer/optimizer.py copies each chunk's gradient shard to the host and the updated
     masters back: ZeRO offload by design): per micro-batch one transfer of the packed mixer's
     indices, one of the loss's padding indices and one sync for the loss's metrics and input checks;
     per step one sync (the loss); nothing inside a layer."""
-    from rl.rollout import Trajectory
-    from rl.update import PackedBatch, policy_update
+    from rl.episodes.driver import Trajectory
+    from rl.run.update import PackedBatch, policy_update
     from trainer.losses import LossConfig
     from trainer.optimizer import OptimizerConfig
     from trainer.step import Trainer, TrainerConfig

@@ -1,0 +1,432 @@
+"""The run's configuration: `RunConfig`, whose groups are the components' own config dataclasses.
+
+`configs/config.yaml` composes one option per group onto `RunConfig`: `rollout` is the driver's
+`DriverConfig` (rl/episodes/driver.py), `engine` the rollout engine's `EngineConfig` (rollout/engine_config.py;
+its optional `prefix_cache` and `kv_budget` nodes are null until the groups `prefix_cache=on` /
+`kv_budget=h2o|infinigen` merge into them), `trainer` the `TrainerConfig` (trainer/step.py), and
+`model`, `task`, `algo`, `memory`, `experiment`, `warmup`, `tracking`, `checkpoint` (here and beside
+their code). Each knob has one name and one default, the dataclass's: the group files restate none, and
+`experiment=cpu_demo` (the default, a `# @package _global_` file) holds the demo's choices. Because
+every group is a typed schema, a misspelt key (`rollout.max_new_tokns=8`) or a wrong type
+(`trainer.num_chunks=two`) fails at composition with Hydra's message naming the key; value checks
+run in each dataclass's `__post_init__` when `to_run_config` builds it, the message prefixed with
+the key's path (`engine.max_model_len=1, expected >= 2`), and `RunConfig` checks what spans groups.
+Keys renamed by this layout (RENAMED_KEYS and the group selections) still work for one release:
+`upgrade_overrides` rewrites them with a warning naming the new key, `upgrade_stored_config` reads
+an older checkpoint's stored config in the new names.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import MISSING as FIELD_MISSING
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from memory.layout import CacheLayout
+from models.config import ModelConfig
+from models.precision import check_dtype_supported, parse_dtype
+from models.tokenizer import TokenizerConfig
+from rl.config.upgrade import (PREFIX_CACHE_MODEL_ID, RENAMED_KEYS, DeprecatedKeyWarning,  # noqa: F401 (re-exported)
+                               upgrade_overrides, upgrade_stored_config)
+from rl.envs.data import DataConfig, check_files
+from rl.episodes.env_runner import EnvConfig
+from rl.episodes.driver import DriverConfig
+from rl.run.tracking import TrackingConfig
+from rl.episodes.validation import EvalConfig
+from rl.run.warmup import WarmupConfig
+from rollout.engine_config import EngineConfig
+from trainer.losses import LossConfig
+from trainer.step import TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    name: str = "majority_digit"
+    """Registered task (rl/envs/tasks) or an import path "package.module:Class"."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task's constructor."""
+
+    def __post_init__(self) -> None:
+        """The task resolves and builds with these params (a scored task loads its reward function)."""
+        from rl.envs.tasks import resolve_task
+
+        try:
+            factory = resolve_task(self.name)
+        except ValueError as err:
+            raise ValueError(f"task.name={self.name!r}: {err}") from None
+        try:
+            factory(**self.params)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"task.name={self.name!r} with task.params={dict(self.params)!r}: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    """Registered advantage estimator ("grpo", "rloo")."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group), generated with parallel sampling."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    ppo_epochs: int = 1
+    """Passes over each rollout batch per update (rl/run/update.py `policy_update`); 1 = one pass."""
+    mini_batches: int = 1
+    """Mini-batches (of whole sequences, one optimizer step each) per pass; > 1 needs one data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        from trainer.losses import lookup
+
+        lookup("advantage", self.advantage)
+        if self.group_size < 2:
+            raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (group advantages need peers)")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"algo.ppo_epochs={self.ppo_epochs}, algo.mini_batches={self.mini_batches}, "
+                             f"expected both >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """The run's memory phases (rl/run/loop.py): what is released while training, where the
+    reference and the optimizer's host states live. The engine's pools are `engine.pool_mb` and
+    `engine.host_pool_mb`."""
+    release_pool_in_train: bool = True
+    """Release the engine's pool while training (colocated: training gets the memory back)."""
+    reference: str = "stream"
+    """Where the KL reference model's weights live: "stream" (host, copied chunk by chunk into the
+    trainer's idle gradient slots for its forward: trainer/ref_stream.py) or "resident" (a whole
+    second model on the device)."""
+    host_budget_mb: int | None = None
+    """Host-DRAM ledger budget of one node, MiB, split evenly among the node's ranks; null = MemAvailable
+    less a 10% reserve."""
+    spill_dir: str | None = None
+    """NVMe directory the optimizer's host states are spilled to after each iteration (restored before
+    the next update; memory/nvme_store.py); relative = under run_dir; null = they stay in host DRAM."""
+
+    def __post_init__(self) -> None:
+        if self.spill_dir is not None and not self.spill_dir.strip():
+            raise ValueError("memory.spill_dir is empty; give a directory or null (no spill)")
+        if self.host_budget_mb is not None and self.host_budget_mb < 1:
+            raise ValueError(f"memory.host_budget_mb={self.host_budget_mb}, expected >= 1 or null (MemAvailable)")
+        if self.reference not in ("stream", "resident"):
+            raise ValueError(f"memory.reference={self.reference!r}, expected 'stream' or 'resident'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When the RL loop checkpoints and what it keeps (rl/run/checkpoint.py)."""
+    every: int = 1
+    """Checkpoint every this many iterations (and always after the last)."""
+    keep_last: int = 2
+    """Complete checkpoints kept, newest first: a resume falls back to an older one when the newest
+    does not verify (a power loss while it was written)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose iteration is a multiple of this (never deleted); null = none."""
+    export_every: int | None = None
+    """Also export every checkpoint whose iteration is a multiple of this for serving, bf16, to
+    run_dir/export/iter_N (rl/export; never deleted); null = none."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every={self.every}, expected >= 1")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last}, expected >= 1")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"checkpoint.keep_every={self.keep_every}, expected >= 1 or null")
+        if self.export_every is not None and self.export_every < 1:
+            raise ValueError(f"checkpoint.export_every={self.export_every}, expected >= 1 or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    name: str = "cpu_demo"
+    iterations: int = 10
+    """RL iterations (rollout + train each)."""
+    init_std: float = 0.1
+    """Random init of the policy when no checkpoint is given."""
+    checkpoint: str | None = None
+    """A Hugging Face checkpoint directory to start from instead of a random init."""
+    device: str = "cpu"
+    """Where the models, batches and collectives of each rank live: "cpu" (gloo between ranks),
+    "cuda" (one GPU per rank, the GPU of LOCAL_RANK under torchrun; NCCL) or "auto" (cuda when
+    torch.cuda.is_available(), else cpu). The resolved device is the run's `Ranks.device`, printed at
+    start. Default cpu until a GPU has run the loop (rl/README.md)."""
+
+    max_idle_iterations: int = 3
+    """Circuit breaker: the run stops with an error after this many iterations in a row that trained
+    on nothing (every trajectory dropped or failed)."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective between ranks (a dead rank makes the others fail with a clear
+    error within it instead of hanging)."""
+    dtype: str = "fp32"
+    """Parameter dtype on the device: "fp32" or "bf16" (Megatron's recipe: bf16 weights, FP32 gradient
+    slots, FP32 masters and AdamW moments on the host; models/precision.py). A checkpoint to start
+    from or resume must have been written in the same dtype."""
+    num_threads: int | None = None
+    """CPU threads of each rank's torch ops (torch.set_num_threads); null = torch's default (one per
+    core). A tiny model gains little from more than one, and loses much when other processes share
+    the cores (the threads spin-wait on each other)."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_dtype(self.dtype)
+        except ValueError as err:
+            raise ValueError(f"experiment.{err}") from None
+        if self.iterations < 1:
+            raise ValueError(f"experiment.iterations={self.iterations}, expected >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"experiment.num_threads={self.num_threads}, expected >= 1 or null (torch's default)")
+        if self.max_idle_iterations < 1:
+            raise ValueError(f"experiment.max_idle_iterations={self.max_idle_iterations}, expected >= 1")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"experiment.collective_timeout_s={self.collective_timeout_s}, expected > 0")
+        if not self.init_std > 0:
+            raise ValueError(f"experiment.init_std={self.init_std}, expected > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"experiment.device={self.device!r}, expected 'auto', 'cpu' or 'cuda'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"experiment.device='cuda' but CUDA is not available here (torch.cuda.is_available() "
+                             f"is False; torch {torch.__version__}, CUDA build {torch.version.cuda}); run where a GPU "
+                             f"is visible, or use experiment.device=cpu (or auto: cuda only when available)")
+        if self.device in ("auto", "cpu", "cuda"):
+            try:
+                check_dtype_supported(parse_dtype(self.dtype), self.device_type)
+            except ValueError as err:
+                raise ValueError(f"experiment.{err}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def device_type(self) -> str:
+        """"cuda" or "cpu": `device` with "auto" resolved on this machine."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = MISSING
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: DriverConfig = field(default_factory=DriverConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine of each rank; its `seed` and `show_progress` are the run's (rl/train.py's
+    build() sets the run's seed and no progress bar: the tracker shows the rollout's)."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Validation on held-out episodes (rl/episodes/validation.py): when (every, before_train), how (n, temperature, top_p,
+    max_new_tokens), how many (num_prompts; data.val_files rows when given), the dump (run_dir/val/)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and labels from files (rl/envs/data.py); train_files=[] = the task generates its prompts."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer (`tokenizer.path`: "byte" or a local Hugging Face directory) and its chat template
+    (models/tokenizer.py): prompts are rendered with it, its end-of-turn ids stop answers."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """The supervised warm-up before RL (rl/run/warmup.py); steps=0 (the default) = none."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 0
+    run_dir: str = "runs/cpu_demo"
+    """Where checkpoints, metrics, plots and wandb files go (also Hydra's run dir)."""
+    resume: Any = False
+    """false: a new run (a run_dir holding one is refused); true: continue from the newest checkpoint
+    that verifies, or start a new run when there is none (said on stderr); "must": continue, and refuse
+    when there is no checkpoint. A resume may change only rl/train.py's RESUME_MAY_CHANGE keys."""
+
+    def __post_init__(self) -> None:
+        """The checks that span groups (each group checked its own values when it was built)."""
+        if self.resume not in (False, True, "must"):
+            raise ValueError(f"resume={self.resume!r}, expected false, true or must")
+        r, e = self.rollout, self.engine
+        if e.seed != EngineConfig.seed:
+            raise ValueError(f"engine.seed={e.seed}: an RL run seeds its engine with the run's seed (seed={self.seed}); "
+                             f"set seed instead")
+        if r.max_new_tokens >= e.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt under "
+                             f"engine.max_model_len={e.max_model_len}; expected max_new_tokens < max_model_len")
+        if r.partial_resume == "kv" and self.memory.release_pool_in_train and not self.has_host_pool:
+            raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
+                             "memory.release_pool_in_train=true frees the device pool for training and there is no "
+                             "host KV pool to park it in; set engine.host_pool_mb > 0 or release_pool_in_train=false")
+        if e.host_pool_mb == "auto" and e.host_num_pages is None and self.memory.spill_dir is None:
+            raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
+                             "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
+                             "memory.spill_dir or give engine.host_pool_mb in MiB")
+        if self.data.train_files or self.data.val_files:
+            check_files(self.data)
+        o = self.trainer.optimizer
+        if o.lr_schedule != "constant" and o.total_steps is None and o.warmup_steps > self.optimizer_steps:
+            raise ValueError(f"trainer.optimizer.warmup_steps={o.warmup_steps}, but the run takes {self.optimizer_steps} "
+                             f"optimizer steps (experiment.iterations={self.experiment.iterations} x algo.ppo_epochs="
+                             f"{self.algo.ppo_epochs} x algo.mini_batches={self.algo.mini_batches}); expected at most "
+                             f"{self.optimizer_steps}, or a trainer.optimizer.total_steps that holds the warm-up")
+        if self.task.name == "scored" and self.data.enabled and self.data.label_key is None:
+            raise ValueError("task.name=scored hands each row's label to compute_score as ground_truth, but "
+                             "data.label_key=null; name the column of your labels")
+        if self.task.name == "scored" and not self.data.enabled:
+            raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
+                             "the files (jsonl) of your prompts and labels")
+        if r.reuse_stale_prefix and e.prefix_cache is None:
+            raise ValueError("rollout.reuse_stale_prefix=true reuses the prefix cache's entries across iterations, but "
+                             "the prefix cache is off; add prefix_cache=on")
+        layers, t = self.model.num_hidden_layers, self.trainer
+        most = layers + 2 if t.chunk_split == "params" else layers
+        if t.num_chunks > most:
+            raise ValueError(f"trainer.num_chunks={t.num_chunks}, expected at most {most} for a model of {layers} layers "
+                             f"with trainer.chunk_split={t.chunk_split!r}"
+                             + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
+        self._check_pool()
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: the lr schedule's horizon unless trainer.optimizer.total_steps."""
+        return self.experiment.iterations * self.algo.ppo_epochs * self.algo.mini_batches
+
+    @property
+    def has_host_pool(self) -> bool:
+        """Whether the engine gets a host KV pool (engine.host_num_pages, else engine.host_pool_mb)."""
+        e = self.engine
+        return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb == "auto" or e.host_pool_mb > 0
+
+    def _check_pool(self) -> None:
+        """The engine's "cannot hold one sequence" check, at composition (the same page formula)."""
+        layout, e = self.cache_layout, self.engine
+        pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
+        needed = layout.sequence_pages(e.longest_kv_tokens)
+        if needed <= pool_pages:
+            return
+        size = (f"engine.num_pages={e.num_pages}" if e.num_pages is not None
+                else f"engine.pool_mb={e.pool_mb} holds {pool_pages} pages")
+        raise ValueError(
+            f"{size} of {layout.page_bytes:,} bytes, but one sequence of engine.max_model_len={e.max_model_len} tokens"
+            + (f" (engine.kv_budget.budget_tokens={e.kv_budget.budget_tokens} on the device)" if e.kv_budget else "")
+            + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
+            f"{layout.mla_pages_for(e.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
+            + (f"engine.num_pages >= {needed}" if e.num_pages is not None
+               else f"engine.pool_mb >= {layout.pool_mb_for(needed)}")
+            + " or lower engine.max_model_len")
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """The rollout engine's page geometry (rollout/engine.py builds the same): MLA latents in the
+        run's dtype (the model's output weight, never kept FP32), KDA states in engine.kda_state_dtype,
+        block_tokens a multiple of the prefix cache's hash block when there is one."""
+        e = self.engine
+        return CacheLayout.for_model(self.model, group_layers=e.group_layers, block_tokens=e.block_tokens,
+                                     cache_dtype=self.experiment.torch_dtype, state_dtype=parse_dtype(e.kda_state_dtype),
+                                     hash_block=e.prefix_cache.hash_block if e.prefix_cache else None)
+
+
+NO_DEFAULT = object()
+"""`schema_default` of a path that is no field with a default."""
+
+
+def schema_default(path: str) -> Any:
+    """The schema's default of a leaf key path ("rollout.max_staleness", "engine.prefix_cache.hash_block")
+    as `resolved_config` writes values (JSON), walking RunConfig's dataclass fields (an optional node:
+    its dataclass's defaults); NO_DEFAULT when the path names no field with a default."""
+    cls: Any = RunConfig
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        field_ = {f.name: f for f in fields(cls)}.get(name) if is_dataclass(cls) else None
+        if field_ is None:
+            return NO_DEFAULT
+        if i == len(parts) - 1:
+            if field_.default is not FIELD_MISSING:
+                value = field_.default
+            elif field_.default_factory is not FIELD_MISSING:
+                value = field_.default_factory()
+            else:
+                return NO_DEFAULT
+            return json.loads(json.dumps(asdict(value) if is_dataclass(value) else value, default=str))
+        hint = get_type_hints(cls)[name]
+        cls = next((a for a in (get_args(hint) or (hint,)) if is_dataclass(a)), None)
+    return NO_DEFAULT
+
+
+# ---- composition --------------------------------------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def writable(node: Any) -> None:
+    """Clear the read-only flag frozen dataclasses put on their nodes (composition must write
+    into them; the frozen objects are built afterwards by `to_run_config`)."""
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+        for key in node.keys():
+            writable(node._get_node(key))
+    elif isinstance(node, ListConfig) and not node._is_missing() and not node._is_none():
+        for i in range(len(node)):
+            writable(node._get_node(i))
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore as `base_config` (the first entry of configs/config.yaml)."""
+    node = OmegaConf.structured(RunConfig)
+    writable(node)
+    ConfigStore.instance().store(name="base_config", node=node)
+
+
+def _build_groups(node: DictConfig, path: str) -> None:
+    """Build every dataclass node under `node`, deepest first, so a value error names its key: the
+    component's own message ("max_model_len=1, expected >= 2") becomes "engine.max_model_len=1, ..."."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if (isinstance(child, DictConfig) and not child._is_none() and not child._is_missing()
+                and is_dataclass(OmegaConf.get_type(child))):
+            _build_groups(child, f"{path}{key}.")
+    if not path:
+        return
+    try:
+        OmegaConf.to_object(node)
+    except ValueError as err:
+        message = str(err).removeprefix(path).removeprefix(path.split(".")[-2] + ".")
+        first = re.match(r"\w+", message)  # the field the message starts with, if it names one
+        if first and first[0] in {f.name for f in fields(OmegaConf.get_type(node))}:
+            raise ValueError(f"{path}{message}") from None
+        raise ValueError(f"{path[:-1]}: {message}") from None
+
+
+def to_run_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The composed Hydra config as validated dataclasses (value errors name the key). With
+    experiment.checkpoint and no `model` group or `model.*` key among the command line's `overrides`,
+    the model config is the checkpoint's config.json (`adopt_checkpoint_model`)."""
+    adopt_checkpoint_model(cfg, overrides)
+    _build_groups(cfg, "")
+    return OmegaConf.to_object(cfg)
+
+
+def adopt_checkpoint_model(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> None:
+    """Start from a checkpoint without repeating its shape: its config.json becomes the `model` node,
+    unless the command line chose a model group or model keys (then rl/train.py's
+    check_checkpoint_model refuses any difference, naming each key)."""
+    start = cfg.experiment.get("checkpoint")
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    if start is None or any(k == "model" or k.startswith("model.") for k in keys):
+        return
+    stored = Path(start) / "config.json"
+    if not stored.exists():
+        raise FileNotFoundError(f"experiment.checkpoint={start!r} has no config.json (a Hugging Face checkpoint "
+                                f"directory is expected)")
+    cfg.model = OmegaConf.structured(ModelConfig.from_hf_dict(json.loads(stored.read_text())))
+
+
+def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config `python -m rl.train *overrides` runs (deprecated keys upgraded, with their
+    warnings): for tools and tests that compose outside Hydra's main."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        overrides = upgrade_overrides(list(overrides))
+        return to_run_config(compose("config", overrides=overrides), overrides)

@@ -1,0 +1,1 @@
+"""What the policy is trained on: tasks (environments), tools, data rows."""

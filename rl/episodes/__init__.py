@@ -1,0 +1,1 @@
+"""Episodes through the engine: the rollout driver, the episode runner, environment calls, validation."""

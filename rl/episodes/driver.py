@@ -1,0 +1,464 @@
+"""The rollout phase: trajectories of environment episodes generated through the engine.
+
+A *group* is `group_size` trajectories of one episode seed (the same first prompt): its first
+turn is one engine request with n = group_size (prefilled once, forked), later turns are one
+request per trajectory whose prompt is the whole conversation so far (turn boundaries marked).
+Every generated token keeps its behaviour logprob and the policy version that sampled it.
+
+Partial rollouts: when the iteration's budget (generated tokens and/or seconds) runs out, the
+unfinished trajectories stop where they are and carry over to the next iteration, keeping the
+tokens they have. They continue either by recompute (a new request whose prompt includes the
+partial answer, computed under the new weights) or, with `partial_resume="kv"`, by resuming the
+paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
+Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
+(g % world == rank); a group stays on its rank until trained.
+Faults cost trajectories, never the run. Each of these drops the trajectories it hits, logs one
+line (who, the error, the reason) in `errors` and counts them as `dropped/<reason>` (and in
+`trajectories_dropped`); a fault before a group's first request (its prompt) drops the whole group,
+which is then skipped (GRPO needs the group), a later one drops only its trajectory:
+- `too_long`: a context the engine can never run (`ContextTooLong`: longer than
+  engine.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
+  each request is submitted;
+- `env_error`: the task's factory, `reset` or `step` raised (or returned no StepResult);
+- `timeout`: one such call ran past `env.timeout_s` (it is left running on its daemon thread, its
+  environment is discarded);
+- `tokenizer`: encoding a prompt or observation, or decoding an answer, raised;
+- `bad_reward`: a step's reward is not a finite number.
+The circuit breaker over these counts lives in rl/run/loop.py.
+Data rows: with a `RowSampler` (rl/envs/data.py), global group g takes the sampler's row g-th in its
+deterministic order (every rank advances over every global group, so ranks agree without talking);
+an environment whose `reset` takes `row` receives it, and a prompt given as chat messages is
+rendered as they are. The sampler's position is part of the driver's checkpoint state.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from rl.episodes.cache_metrics import cache_metrics
+from rl.envs.data import DataExhausted, RowSampler
+from rl.episodes.driver_config import DriverConfig
+from rl.episodes.env_runner import (DROP_REASONS, Dropped, EnvConfig, EnvRunner, EnvTimeout,  # noqa: F401 (re-exported)
+                           call_with_timeout)
+from rl.envs.tasks.base import Environment, make_task, resolve_task
+from rl.episodes.env_calls import EnvCallMethods, EnvCalls
+from rl.episodes.trajectory import Trajectory
+from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
+from rollout.engine import ContextTooLong, Engine
+from rollout.request import RequestOutput, SampleOutput
+from rollout.sampling import SamplingParams
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 62-bit seed from integers (SplitMix64-style), independent of PYTHONHASHSEED."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x >> 2
+
+
+@dataclass
+class TurnEnd:
+    """The follow-up of a request continuing `trajs` (the dispatcher's `FollowUp`): appends each
+    sample to its trajectory, scores the finished turn, and returns the requests of those that go
+    on. `trajs` is also who the request continues when an iteration stops before it finishes."""
+
+    driver: "RolloutDriver"
+    trajs: list[Trajectory]
+    stats: dict
+    """The iteration's counters (tokens, finished, dropped/<reason>), updated in place."""
+
+    def __call__(self, out: RequestOutput) -> list[Submission]:
+        nxt: list[Submission] = []
+        for t, sample in zip(self.trajs, out.samples):
+            t.request_id = None
+            if t.tokens[:len(out.prompt)] != out.prompt:  # token in, token out: no text round trip anywhere
+                raise AssertionError(f"trajectory {t.traj_id}: the engine's prompt ({len(out.prompt)} tokens) is not "
+                                     f"a prefix of the trajectory's tokens: what the trainer scores would differ "
+                                     f"from what the engine saw")
+            self.driver._append(t, sample, self.stats)
+            if self.driver.runner is not None:  # the environment's step runs on a worker; its end comes back
+                self.driver._submit_step(t, self.stats)  # through `collect` (EnvCalls)
+            elif self.driver._end_turn(t, self.stats):
+                nxt += self.driver._admissible([t], self.stats)
+        return nxt
+
+
+def _continued(sub: Submission) -> list[Trajectory]:
+    """The trajectories a driver's submission continues (every one it makes has a `TurnEnd`)."""
+    if not isinstance(sub.follow_up, TurnEnd):
+        raise TypeError(f"submission with follow-up {sub.follow_up!r}: the RL driver only sends TurnEnd ones")
+    return sub.follow_up.trajs
+
+
+class RolloutDriver(EnvCallMethods):
+    """Runs iterations of trajectory generation against one engine; its state (carried-over and
+    finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
+
+    def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
+                 group_size: int, seed: int, rank: int = 0, world: int = 1,
+                 sum_over_ranks: Callable[[int], int] | None = None, rows: RowSampler | None = None,
+                 env: EnvConfig = EnvConfig()) -> None:
+        """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
+        generates only the groups g with g % world == rank (every seed derives from the run `seed`
+        and the global g, so the episodes and sampled tokens do not depend on the number of ranks),
+        and stops each iteration at its share of config.budget_tokens, ceil(budget_tokens / world).
+        `rows`: the data source; group g gets its g-th row (passed to `reset(seed, row=...)` when the
+        task's reset takes `row`). `env`: how environment calls run (rl/episodes/env_runner.py: inline, or on
+        worker threads while the engine steps; timeouts, retries, the failure policy)."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
+        if world > 1 and config.max_groups_in_flight is not None and sum_over_ranks is None:
+            raise ValueError("max_groups_in_flight on several ranks needs sum_over_ranks (the global count)")
+        self.config, self.sum_over_ranks = config, sum_over_ranks
+        """sum_over_ranks(n): n summed over the ranks, a collective every rank calls (max_groups_in_flight)."""
+        self.engine, self.tokenizer = engine, tokenizer
+        self.rank, self.world = rank, world
+        self.task_name, self.task_params = task_name, dict(task_params)
+        try:
+            probe = make_task(task_name, **self.task_params)  # fail now, with the task's own message
+        except TypeError as err:
+            raise ValueError(f"task {task_name!r} rejects params {self.task_params}: {err}") from None
+        self.rows = rows
+        self.pass_row = rows is not None and "row" in inspect.signature(probe.reset).parameters
+        """The data row is passed to `reset` (a data source is set and the task's reset takes `row`)."""
+        tools = getattr(probe, "tools", None)
+        self.tools = tools.schemas() if hasattr(tools, "schemas") else tools
+        """The tool schemas the task exposes (its `tools`: a ToolRegistry or a list of OpenAI-style
+        function schemas), handed to the chat template with every first prompt; None without."""
+        self.data_exhausted = False
+        """The sampler ran out (DataExhausted): no new groups start; the caller ends the run when
+        the driver has nothing left in flight."""
+        self.group_size, self.seed = group_size, seed
+        # the config's knobs under the names the iteration code reads; budget_tokens is this rank's share
+        self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
+        # the tokenizer's stop ids (eos, generation_config.json's, the chat template's end of turn) end answers
+        self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                         "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
+        self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
+        self.partial_resume, self.env_timeout_s, self.env_config = config.partial_resume, env.timeout_s, env
+        factory = resolve_task(task_name)  # a task's own failure policy wins over the env group's
+        self.on_failure = getattr(factory, "on_failure", env.on_failure)
+        self.failure_reward = float(getattr(factory, "failure_reward", env.failure_reward))
+        if self.on_failure not in ("drop", "score"):
+            raise ValueError(f"task {task_name!r}: on_failure={self.on_failure!r}, expected 'drop' or 'score'")
+        self.runner = EnvRunner(env.workers, env.timeout_s) if env.workers else None
+        """The worker pool of environment calls (env.workers > 0), else None: calls run inline."""
+        self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
+        self.budget_seconds = config.budget_seconds
+        self.next_group = 0
+        self.carry: list[Trajectory] = []  # unfinished, carried over to the next iteration
+        self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members
+        self.group_sizes: dict[int, int] = {}  # group -> members not dropped
+        self.envs: dict[str, Environment] = {}
+        self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
+        self.errors: list[str] = []
+        """One line per drop since the orchestrator last read them: who, the error, the reason."""
+
+    # ---- guarded calls: a fault becomes `Dropped` ------------------------------------------------------
+    def _env_call(self, what: str, fn: Callable, *args) -> object:
+        """`fn(*args)`, an environment call under `env_timeout_s`; raises Dropped("timeout" or "env_error")."""
+        try:
+            return call_with_timeout(lambda: fn(*args), self.env_timeout_s, what)
+        except EnvTimeout as err:
+            raise Dropped("timeout", err) from err
+        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
+            raise Dropped("env_error", err) from err
+
+    def _tokenizer_call(self, fn: Callable, *args, **kwargs) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            raise Dropped("tokenizer", err) from err
+
+    @staticmethod
+    def _reward(reward: object) -> float:
+        """The step's reward as a float; Dropped("bad_reward") unless it is a finite number."""
+        try:
+            value = float(reward)
+        except (TypeError, ValueError) as err:
+            raise Dropped("bad_reward", err) from err
+        if not math.isfinite(value):
+            raise Dropped("bad_reward", ValueError(f"reward={value}, expected a finite number"))
+        return value
+
+    # ---- environments and requests ---------------------------------------------------------------------
+    def _env(self, traj: Trajectory) -> Environment:
+        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume).
+        Raises Dropped."""
+        env = self.envs.get(traj.traj_id)
+        if env is None:
+            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
+            self._reset(env, traj.group_id, traj.row_index)
+            for answer in traj.answers:
+                self._env_call("step (replay)", env.step, answer)
+            self.envs[traj.traj_id] = env
+        return env
+
+    def _episode_seed(self, group: int) -> int:
+        """The seed of global group `group`'s episode (the same on every rank)."""
+        return mix_seed(self.seed, group)
+
+    def _reset(self, env: Environment, group: int, row_index: int | None) -> object:
+        """env.reset for group `group`, with its data row when the task takes one. Raises Dropped."""
+        return self._env_call("reset", self._reset_call(env, group, row_index))
+
+    def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
+        """The request continuing `trajs` (one group's first turn, or one trajectory), its follow-up a
+        `TurnEnd` on them; the turn boundaries let the engine's prefix cache keep a checkpoint at each turn."""
+        traj = trajs[0]
+        remaining = max(1, self.max_new_tokens - traj.num_generated_in_turn)
+        seed = mix_seed(self.seed, traj.group_id, traj.member, len(traj.answers), traj.num_generated_in_turn)
+        params = SamplingParams(n=len(trajs), max_new_tokens=remaining, seed=seed, **self.sampling)
+        return Submission(list(traj.tokens), params, TurnEnd(self, trajs, stats), tuple(traj.turn_boundaries))
+
+    def _admissible(self, trajs: list[Trajectory], stats: dict) -> list[Submission]:
+        """[the request continuing `trajs`], or [] when the engine refuses its context
+        (`Engine.check_context`): then `trajs` are dropped, with one logged line and counted."""
+        request = self._request(trajs, stats)
+        try:
+            self.engine.check_context(len(request.prompt))
+        except ContextTooLong as err:  # the message names the tokens, the limit, the pages
+            self._drop(trajs, Dropped("too_long", err), stats)
+            return []
+        return [request]
+
+    @staticmethod
+    def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
+        traj.tokens += sample.tokens
+        traj.policy += [True] * len(sample.tokens)
+        traj.logprobs += sample.logprobs
+        traj.versions += sample.versions
+        stats["tokens"] += len(sample.tokens)
+
+    def _answer(self, traj: Trajectory) -> str:
+        """The finished turn's answer text (eos left out, cut before a stop string). Raises Dropped."""
+        eos = self.engine.model.config.eos_token_id
+        return self._tokenizer_call(self.tokenizer.answer_text, [t for t in traj.tokens[traj.turn_start:] if t != eos])
+
+    def _apply(self, traj: Trajectory, answer: str, env: Environment, result: object, stats: dict) -> bool:
+        """The turn's StepResult applied to `traj`: reward, observation tokens, or the episode's end;
+        True when another turn follows."""
+        try:
+            try:
+                raw_reward, done, observation = result.reward, result.done, result.observation
+                components, is_correct = dict(getattr(result, "components", {})), getattr(result, "is_correct", None)
+            except AttributeError as err:
+                raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
+            reward = self._reward(raw_reward)
+            last = bool(done) or len(traj.answers) + 1 >= env.max_turns
+            role = getattr(result, "role", "user")  # a tool's reply renders in the template's tool turn
+            obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation, role)
+        except Dropped as fault:
+            self._drop([traj], fault, stats)
+            return False
+        traj.answers.append(answer)
+        traj.reward += reward
+        for name, value in components.items():
+            traj.components[name] = traj.components.get(name, 0.0) + float(value)
+        if is_correct is not None:
+            traj.is_correct = bool(is_correct)
+        if last:
+            self._finish(traj, stats)
+            return False
+        traj.tokens += obs
+        traj.policy += [False] * len(obs)
+        traj.logprobs += [0.0] * len(obs)
+        traj.versions += [-1] * len(obs)
+        traj.turn_boundaries.append(len(traj.tokens))
+        traj.turn_start = len(traj.tokens)
+        return True
+
+    def _finish(self, traj: Trajectory, stats: dict) -> None:
+        traj.done = True
+        self.envs.pop(traj.traj_id, None)
+        self.waiting.setdefault(traj.group_id, []).append(traj)
+        stats["finished"] += 1
+        for name, value in traj.components.items():
+            stats["components"][name] = stats["components"].get(name, 0.0) + value
+
+    def _drop(self, trajs: list[Trajectory], fault: Dropped, stats: dict) -> None:
+        """Take `trajs` (one trajectory, or a whole group before its first request) out of their group,
+        with one line in `errors` and counted in stats["dropped/<reason>"]; a group left with no member
+        is forgotten: it is skipped, never trained."""
+        traj = trajs[0]
+        who = (f"group {traj.group_id} ({len(trajs)} trajectories)" if len(trajs) > 1
+               else f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1})")
+        self.errors.append(f"{who}: {fault} (reason: {fault.reason})")
+        for t in trajs:
+            self.envs.pop(t.traj_id, None)
+            self.group_sizes[t.group_id] -= 1
+            stats[f"dropped/{fault.reason}"] += 1
+            if not self.group_sizes[t.group_id]:
+                del self.group_sizes[t.group_id]
+
+    @property
+    def groups_next_iteration(self) -> int:
+        """New groups this rank starts in the next `run_iteration` (its share of the global ones)."""
+        return sum(g % self.world == self.rank for g in range(self.next_group, self.next_group + self.groups_per_iteration))
+
+    # ---- one iteration ---------------------------------------------------------------------------------
+    def run_iteration(self, progress=None) -> dict[str, float]:
+        """Continue carried-over trajectories, start this iteration's new groups, stop at the budget.
+        Returns rollout metrics; finished groups are then collected with `take_finished_groups`."""
+        dispatcher = Dispatcher(self.engine, self.throttle)
+        if dispatcher.auto is not None and self.auto_limit is not None:
+            dispatcher.auto.limit = self.auto_limit
+        stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS},
+                 "env_retries": 0, "env_timeouts": 0, "env_failures_scored": 0}
+        calls_before, busy_before = (self.runner.num_calls, self.runner.busy_seconds) if self.runner else (0, 0.0)
+        carry, self.carry = self.carry, []
+        paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
+        for traj in carry:
+            if traj.request_id is not None and traj.request_id in self.engine.requests:
+                paused.setdefault(traj.request_id, []).append(traj)
+            else:
+                traj.request_id = None
+                for request in self._admissible([traj], stats):
+                    dispatcher.add(request)
+        for request_id, trajs in paused.items():
+            self.engine.resume(request_id)
+            dispatcher.adopt(request_id, self._request(trajs, stats))
+        for _ in range(self._new_groups()):
+            row_index = None
+            if self.rows is not None:
+                try:
+                    self.rows[self.rows.position]  # every rank passes every global group: all agree
+                except DataExhausted:
+                    self.data_exhausted = True
+                    break
+                row_index, self.rows.position = self.rows.position, self.rows.position + 1
+            group, self.next_group = self.next_group, self.next_group + 1
+            if group % self.world == self.rank:  # else another rank's share
+                self._start_group(dispatcher, group, row_index, stats)
+        if self.rows is not None and not self.data_exhausted:
+            try:  # the last row just started: say so now, so the run can end with this iteration
+                self.rows[self.rows.position]
+            except DataExhausted:
+                self.data_exhausted = True
+        t0, generated_before = time.perf_counter(), self.engine.num_generated
+        counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
+
+        def should_stop() -> bool:
+            generated = self.engine.num_generated - generated_before  # sampled so far, finished or not
+            if progress is not None:
+                signals = self.engine.stats()
+                progress.update(stats["finished"], generated, signals["pool_utilization"], dispatcher.limit)
+            return ((self.budget_tokens is not None and generated >= self.budget_tokens)
+                    or (self.budget_seconds is not None and time.perf_counter() - t0 >= self.budget_seconds))
+
+        dispatcher.run(should_stop=should_stop, background=EnvCalls(self) if self.runner is not None else None)
+        should_stop()  # the progress bar's final state
+        self._stop_unfinished(dispatcher, stats)
+        if dispatcher.auto is not None:
+            self.auto_limit = dispatcher.auto.limit
+        seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
+        dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
+        env_calls = {"env_retries": float(stats["env_retries"]), "env_timeouts": float(stats["env_timeouts"]),
+                     "env_failures_scored": float(stats["env_failures_scored"]),
+                     # the engine's share of the rollout's wall time, and the environments' work done off it
+                     "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
+                     **({"env_calls": float(self.runner.num_calls - calls_before),
+                         "env_busy_seconds": self.runner.busy_seconds - busy_before} if self.runner else {})}
+        cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
+        return {**cache, "rollout_seconds": seconds, "rollout_tokens": float(generated),
+                "rollout_tok_s": generated / max(seconds, 1e-9),
+                "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
+                # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
+                **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
+                **dropped, "trajectories_dropped": sum(dropped.values()), **env_calls,
+                # the names before the drops had reasons, kept for older readers
+                "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
+
+    def _start_group(self, dispatcher: Dispatcher, group: int, row_index: int | None, stats: dict) -> None:
+        """Group `group`'s trajectories and its first request (one prompt, n = group_size); with a
+        worker pool the environment's reset runs there and the request follows from `_reset_done`."""
+        trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0, row_index=row_index)
+                 for m in range(self.group_size)]
+        self.group_sizes[group] = self.group_size
+        if self.runner is not None:
+            self.runner.submit(("reset", trajs, 0, stats), lambda: self._reset_job(group, row_index))
+            return
+        try:  # the group's prompt: a fault here drops the whole group
+            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
+            text = self._reset(env, group, row_index)
+        except Dropped as fault:
+            self._drop(trajs, fault, stats)
+            return
+        for request in self._first_request(trajs, text, stats):
+            dispatcher.add(request)
+
+    def _first_request(self, trajs: list[Trajectory], text: object, stats: dict) -> list[Submission]:
+        """The group's prompt rendered into every member, and its request (or [] when refused)."""
+        try:
+            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+            prompt = self._tokenizer_call(self.tokenizer.render, messages, tools=self.tools)
+        except Dropped as fault:
+            self._drop(trajs, fault, stats)
+            return []
+        for t in trajs:
+            t.tokens, t.policy = list(prompt), [False] * len(prompt)
+            t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
+        return self._admissible(trajs, stats)
+
+    def _new_groups(self) -> int:
+        """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
+        less the unfinished ones (over all ranks: the same number on every rank)."""
+        cap = self.config.max_groups_in_flight
+        if cap is None:
+            return self.groups_per_iteration
+        unfinished = len(self.group_sizes)
+        if self.world > 1:
+            unfinished = self.sum_over_ranks(unfinished)
+        return max(0, min(self.groups_per_iteration, cap - unfinished))
+
+    def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
+        """Budget reached: everything not finished becomes carry-over (paused with its KV, or with
+        its partial answer appended for recompute)."""
+        in_flight, backlog = dispatcher.clear()
+        while self.runner is not None and self.runner.pending:  # turns whose environment call is out:
+            self.runner.wait(0.5)  # their next request is known once it ends (bounded by env.timeout_s)
+            for sub in EnvCalls(self).collect():
+                self.carry += _continued(sub)
+        for request_id, sub in in_flight:
+            out, trajs = self.engine.output(request_id), _continued(sub)
+            if self.partial_resume == "kv":
+                self.engine.pause(request_id)
+                for t in trajs:
+                    t.request_id = request_id
+            else:
+                self.engine.abort(request_id)
+                for t, sample in zip(trajs, out.samples):
+                    self._append(t, sample, stats)
+            self.carry += trajs
+        for sub in backlog:
+            self.carry += _continued(sub)
+
+    def take_finished_groups(self) -> list[list[Trajectory]]:
+        """Groups all of whose (not dropped) members are done, in group order; removed from the driver."""
+        ready = sorted(g for g, members in self.waiting.items() if len(members) == self.group_sizes[g])
+        groups = [sorted(self.waiting.pop(g), key=lambda t: t.member) for g in ready]
+        for g in ready:
+            del self.group_sizes[g]
+        return [g for g in groups if g]
+
+    # ---- checkpoint state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"next_group": self.next_group, "auto_limit": self.auto_limit,
+                "carry": [asdict(t) | {"request_id": None} for t in self.carry],
+                "waiting": {str(g): [asdict(t) for t in ts] for g, ts in self.waiting.items()},
+                "group_sizes": {str(g): n for g, n in self.group_sizes.items()},
+                "rows": None if self.rows is None else self.rows.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_group, self.auto_limit = state["next_group"], state["auto_limit"]
+        self.carry = [Trajectory(**t) for t in state["carry"]]
+        self.waiting = {int(g): [Trajectory(**t) for t in ts] for g, ts in state["waiting"].items()}
+        self.group_sizes = {int(g): n for g, n in state["group_sizes"].items()}
+        self.envs = {}
+        if self.rows is not None:  # a checkpoint from before the data source (no "rows"): position 0
+            self.rows.load_state_dict(state.get("rows") or {"epoch": 0, "index": 0})
