@@ -27,7 +27,7 @@ together cross boundaries together) and preempts. A follow-up waiting in the bac
 finished turn's resume point reserved until it is sent, or the others' growth evicts it first.
 Measured on `benchmarks.throttle`: docs/rollout.md.
 
-Work in the background (`Background`: environment calls on worker threads, rl/env_runner.py): a
+Work in the background (`Background`: environment calls on worker threads, rl/episodes/env_runner.py): a
 finished turn's follow-up may hand its conversation to the background and return nothing; the
 dispatcher keeps stepping the engine for the other requests, collects what the background finished
 after every step (its submissions go first, like any follow-up's), waits on it only when the engine

@@ -1,5 +1,5 @@
 """The rollout engine's settings (rollout/engine.py): one dataclass, used as is by the RL run's
-`engine` config group (rl/config.py: `engine.pool_mb=...`; the optional `prefix_cache` and
+`engine` config group (rl/config/__init__.py: `engine.pool_mb=...`; the optional `prefix_cache` and
 `kv_budget` nodes are Hydra groups of their own), so every knob has one name and one default."""
 from __future__ import annotations
 

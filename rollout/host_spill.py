@@ -16,7 +16,7 @@ update); during a rollout it belongs to the host KV pool. So, with the engine as
 leases the pool again, `num_pages` pages (any size that holds the kept slots; a smaller lease drops
 the slots above it, same as above), and reads the group back into the same slots, bit for bit.
 
-Nothing here chooses sizes: the phase orchestrator (rl/orchestrator.py) passes what the ledger has
+Nothing here chooses sizes: the phase orchestrator (rl/run/loop.py) passes what the ledger has
 free (`engine.host_pool_mb=auto`) or the configured size.
 """
 from __future__ import annotations

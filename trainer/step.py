@@ -14,7 +14,7 @@ each parameter's `main_grad`; a post-accumulate-grad hook adds every backward's 
 it in FP32 and drops the `.grad` at once, so reduction and AdamW see FP32 gradients and the
 updated FP32 masters are cast into the bf16 parameters after the step.
 Host syncs: one per step (the loss and its finiteness, fetched together), plus what the loss
-function does (rl/update.py: one per micro-batch, its metrics and input checks in one copy).
+function does (rl/run/update.py: one per micro-batch, its metrics and input checks in one copy).
 
 Why our own arena and not megatron-core's DDP buffers: megatron's `_ParamAndGradBuffer` allocates
 one grad buffer for every parameter of the model at construction (offload_grad_buffers frees or
