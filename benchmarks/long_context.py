@@ -95,7 +95,7 @@ def train_step(length: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     try:
         with meter.hooks():
-            trainer.train_step(tokens, [length], targets, lambda lp, rows: -(lp * weights[rows]).sum() / length)
+            trainer.train_step(tokens, [length], targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / length)
     finally:
         for handle in handles:
             handle.remove()

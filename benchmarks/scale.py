@@ -171,7 +171,7 @@ def measure_train_step(trainer: Trainer, seq_lens: list[int], vocab: int) -> tup
     t0 = time.perf_counter()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            metrics = trainer.train_step(tokens, seq_lens, targets, lambda lp, rows: -lp.sum() / num_tokens)
+            metrics = trainer.train_step(tokens, seq_lens, targets, lambda lp, rows, seqs: -lp.sum() / num_tokens)
     finally:
         for handle in handles:
             handle.remove()

@@ -127,7 +127,7 @@ def ours_step(trainer: Trainer, lens, tokens, targets, weights) -> tuple[int, fl
     try:
         with meter.hooks():
             metrics = trainer.train_step(tokens, lens, targets,
-                                         lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+                                         lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
     finally:
         for handle in handles:
             handle.remove()

@@ -227,18 +227,18 @@ class Trainer:
         self.arena.release(chunk)
 
     def train_step(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """Forward/backward this rank's packed sequences and apply one optimizer step.
 
         token_ids, targets: [N] packed, on the model's device; sequence i owns `seq_lens[i]`
         consecutive rows. With DP ranks a rank may pass no sequence at all (N = 0): it still joins
         every collective (zero gradients) and the same optimizer step.
-        loss_fn(logprobs [n], rows [n]) gets a micro-batch's per-token logprobs and their row
+        loss_fn(logprobs [n], rows [n], seqs) gets a micro-batch's per-token logprobs, their row
         indices in the packed batch (both on the model's device; to select advantages, masks, old
-        logprobs...); it must be
-        scaled so that summing it over micro-batches and ranks gives the global loss (e.g. divide
-        by the global token count): gradients are summed, not averaged.
+        logprobs...) and the micro-batch's sequences (host ints: indices into seq_lens, a run of
+        consecutive ones); it must be scaled so that summing it over micro-batches and ranks gives
+        the global loss (e.g. divide by the global token count): gradients are summed, not averaged.
         micro_batch_tokens: token budget of one micro-batch (sequences packed greedily in order; a
         longer sequence runs alone); None = one micro-batch. Gradients accumulate on the host.
         Gradient guard, after every chunk is reduced and before any update: the global gradient norm
@@ -275,7 +275,7 @@ class Trainer:
                              f"gradients are on {comm}; build the batch there")
 
     def _forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
-                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
                           plan: list[list[int]]) -> torch.Tensor:
         """Every micro-batch of `plan` through the chunked model, each chunk's gradient reduced into
         the host shards as it completes; returns the summed loss (a device scalar, not synced)."""
@@ -302,8 +302,9 @@ class Trainer:
             # rows are one slice, so no index tensor is built on the host and copied over.
             start, end = offsets[plan[r][0]], offsets[plan[r][-1] + 1]
             rows = torch.arange(start, end, device=comm)  # [n], made on the device
-            part, _ = self.chunked.forward_backward(token_ids[start:end], [seq_lens[i] for i in plan[r]],
-                                                    targets[start:end], lambda lp, rows=rows: loss_fn(lp, rows),
+            seqs = plan[r]
+            part, _ = self.chunked.forward_backward(token_ids[start:end], [seq_lens[i] for i in seqs], targets[start:end],
+                                                    lambda lp, rows=rows, seqs=seqs: loss_fn(lp, rows, seqs),
                                                     on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
             loss = loss + part
         self.arena.check_integrity()

@@ -163,17 +163,13 @@ def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[i
     rows_end = row0 + sum(seq_lens)
     parts: list[tuple[float, dict[str, float]]] = []  # (policy tokens, rl_loss metrics) per micro-batch
     kl = None if old is None else torch.zeros(2, device=batch.token_ids.device)  # [k3 sum, valid tokens]
-    # The trainer calls loss_fn once per micro-batch, in the order of `micro_batches`: a run of
-    # consecutive sequences, whose packed rows rl_loss takes as they are (no padding), with each
+    # The trainer calls loss_fn once per micro-batch with its sequences (indices into `seq_lens`, a
+    # run of consecutive ones), whose packed rows rl_loss takes as they are (no padding), with each
     # row's sequence within the micro-batch computed on the device (no host sync, no copy).
-    plan = iter([[first + i for i in m] for m in micro_batches(seq_lens, micro_batch_tokens)] if seqs else [])
 
-    def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logp: torch.Tensor, rows: torch.Tensor, local: list[int]) -> torch.Tensor:
         nonlocal kl
-        mine = next(plan)
-        if sum(batch.seq_lens[i] for i in mine) != rows.numel():
-            raise RuntimeError(f"micro-batch of sequences {mine} has {sum(batch.seq_lens[i] for i in mine)} rows, "
-                               f"the trainer passed {rows.numel()}: policy_update's plan and the trainer's disagree")
+        mine = [first + i for i in local]  # the mini-batch's sequences -> the batch's
         rows = rows + row0 if row0 else rows  # the trainer's rows are the mini-batch's; the batch's here
         segments = Segments(batch.seq_of_row[rows] - mine[0], len(mine))  # [n]: 0 .. len(mine) - 1
         old_logp = logp.detach() if old is None else old[rows]

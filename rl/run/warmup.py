@@ -122,7 +122,7 @@ def warmup_step(trainer: Trainer, episodes: list[tuple[list[int], list[bool]]], 
     mask = packed([x for _, policy in mine for x in policy[1:]], torch.float32)
     nll = [0.0]
 
-    def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logp: torch.Tensor, rows: torch.Tensor, seqs: list[int]) -> torch.Tensor:
         loss = -(logp * mask[rows]).sum() / total
         nll[0] += float(loss.detach())
         return loss

@@ -55,10 +55,8 @@ def previous_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfi
     defaults must equal bit for bit): old_logp = the step's own logprobs, detached."""
     policy_tokens = [sum(t.policy[1:]) for t in batch.trajectories]
     total_valid, total_seqs = global_counts or (sum(policy_tokens), batch.num_sequences)
-    plan = iter(micro_batches(batch.seq_lens, micro_batch_tokens))
 
-    def loss_fn(logp, rows):
-        seqs = next(plan)
+    def loss_fn(logp, rows, seqs):
         segments = Segments(batch.seq_of_row[rows] - seqs[0], len(seqs))
         loss, _ = rl_loss(logp, logp.detach(), batch.advantages[rows], batch.mask[rows], loss_config,
                           behaviour_logp=batch.behaviour[rows], segments=segments)

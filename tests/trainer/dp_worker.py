@@ -30,7 +30,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, micro_batch_tokens:
                           group=parallel_state.get_data_parallel_group())
         w = weights[rows]
         metrics = trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
-                                     lambda lp, rows: -(lp * w[rows]).sum() / total,
+                                     lambda lp, rows, seqs: -(lp * w[rows]).sum() / total,
                                      micro_batch_tokens=micro_batch_tokens)
         torch.save({"state": trainer.model.state_dict(), "metrics": metrics,
                     "masters": [m.detach().clone() for m in trainer.optimizer.masters]},

@@ -24,7 +24,7 @@ INJECTED = "model.layers.1.self_attn.o_proj.weight"
 
 
 def loss_of(weights):
-    return lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel()
+    return lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel()
 
 
 def reference_step(model, lens, tokens, targets, weights, max_norm):
@@ -155,7 +155,7 @@ def dp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
         def step():
             return trainer.train_step(tokens[rows], [lens[i] for i in mine], targets[rows],
-                                      lambda lp, r: -(lp * w[r]).sum() / total)
+                                      lambda lp, r, seqs: -(lp * w[r]).sum() / total)
 
         out = {"metrics": step(), "state": {n: t.clone() for n, t in trainer.model.state_dict().items()}}
         before = snapshot(trainer)

@@ -82,7 +82,7 @@ def test_one_bf16_step_equals_the_plain_recipe(budget):
         reduce(c)
 
     reduce, trainer._reduce_and_release = trainer._reduce_and_release, watch
-    trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel(),
+    trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel(),
                        micro_batch_tokens=budget)
     assert bound and all(g is None for g in bound)  # the real gradient lives in the FP32 slot only
     for (name, p), got, want in zip(ours.named_parameters(), trainer_masters(trainer), expected):
@@ -101,7 +101,7 @@ def test_bf16_masters_are_not_the_bf16_weights():
     model = bf16_model()
     trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT))
     start = [m.clone() for m in trainer_masters(trainer)]
-    trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() * 1e-3)
+    trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() * 1e-3)
     finer = 0
     for p, master, before in zip(model.parameters(), trainer_masters(trainer), start):
         assert torch.equal(master.to(p.dtype), p.detach())
@@ -115,7 +115,7 @@ def test_a_bf16_checkpoint_resumes_bit_for_bit_and_refuses_another_dtype(tmp_pat
 
     def step(trainer, b):
         lens, tokens, targets, weights = b
-        trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+        trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
 
     straight = Trainer(bf16_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
     for b in batches:
@@ -153,7 +153,7 @@ def test_bf16_two_processes_over_gloo_equal_one_process(tmp_path):
     mp.spawn(run, args=(2, str(tmp_path / "init"), str(tmp_path), 45, "bf16"), nprocs=2, join=True)
     lens, tokens, targets, weights = make_batch()
     one = Trainer(bf16_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
-    one.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel(),
+    one.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel(),
                    micro_batch_tokens=45)
     flat_one = [m.detach() for m in one.optimizer.masters]  # [chunk numel] each (world 1: no padding)
     for rank in range(2):

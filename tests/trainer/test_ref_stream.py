@@ -104,7 +104,7 @@ def test_the_arena_works_for_training_after_a_loan():
     tokens, lens, targets = make_batch()
     weights = torch.randn(sum(lens), generator=torch.Generator().manual_seed(5))
 
-    def loss_fn(lp, rows):
+    def loss_fn(lp, rows, seqs):
         return -(lp * weights[rows]).sum() / weights.numel()
 
     plain, borrowed = policy_trainer(2), policy_trainer(2)

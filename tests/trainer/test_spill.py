@@ -14,7 +14,7 @@ STORE = NvmeStoreConfig(backend="buffered", chunk_bytes=256 << 10, fsync=False)
 
 def step(trainer: Trainer, seed: int) -> dict[str, float]:
     lens, tokens, targets, weights = make_batch(seed)
-    return trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+    return trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
 
 
 def states(trainer: Trainer) -> list[torch.Tensor]:

@@ -55,7 +55,7 @@ def test_one_step_equals_plain_adamw_in_one_process(micro_batch_tokens, num_micr
     ours, ref = make_model(), make_model()
     reference_step(ref, lens, tokens, targets, weights)
     trainer = Trainer(ours, TrainerConfig(num_chunks=4, chunk_split=split, optimizer=OPT))
-    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel(),
+    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel(),
                                  micro_batch_tokens=micro_batch_tokens)
     assert metrics["grad_slots_high_water"] <= 2 and metrics["micro_batches"] == num_micro
     assert trainer.arena.total_bytes < 4 * sum(p.numel() for p in ours.parameters())  # < the whole model's fp32 grads
@@ -113,7 +113,7 @@ def test_resume_at_step_k_equals_uninterrupted_run_at_k_plus_2(tmp_path):
 
     def step(trainer, b):
         lens, tokens, targets, weights = b
-        trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+        trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
 
     straight = Trainer(make_model(), TrainerConfig(num_chunks=4, optimizer=OPT))
     for b in batches[:3]:
@@ -139,13 +139,13 @@ def test_non_finite_loss_skips_the_step_then_stops():
     model = make_model()
     before = {n: t.clone() for n, t in model.state_dict().items()}
     trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT, max_bad_steps=1))
-    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows: lp.sum() * float("nan"))
+    metrics = trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: lp.sum() * float("nan"))
     assert metrics["skipped"] == 1.0 and trainer.step_count == 0
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     with pytest.raises(FloatingPointError, match="non-finite loss in 2 consecutive steps"):
-        trainer.train_step(tokens, lens, targets, lambda lp, rows: lp.sum() * float("inf"))
+        trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: lp.sum() * float("inf"))
     with pytest.raises(ValueError, match="empty batch"):
-        trainer.train_step(tokens[:0], [], targets[:0], lambda lp, rows: lp.sum())
+        trainer.train_step(tokens[:0], [], targets[:0], lambda lp, rows, seqs: lp.sum())
 
 
 def test_a_batch_on_another_device_than_the_model_is_refused_before_any_work():
@@ -156,10 +156,10 @@ def test_a_batch_on_another_device_than_the_model_is_refused_before_any_work():
     before = {n: t.clone() for n, t in model.state_dict().items()}
     trainer = Trainer(model, TrainerConfig(num_chunks=2, optimizer=OPT))
     with pytest.raises(ValueError, match=r"token_ids on meta, targets on cpu: the model and its gradients are on cpu"):
-        trainer.train_step(tokens.to("meta"), lens, targets, lambda lp, rows: lp.sum())
+        trainer.train_step(tokens.to("meta"), lens, targets, lambda lp, rows, seqs: lp.sum())
     assert trainer.step_count == 0 and trainer.arena.num_held == 0
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
-    trainer.train_step(tokens, lens, targets, lambda lp, rows: (lp * rows.float()).sum() * 1e-4)  # rows live with lp
+    trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: (lp * rows.float()).sum() * 1e-4)  # rows live with lp
     assert trainer.step_count == 1
 
 
@@ -173,7 +173,7 @@ def test_deepspeed_cpu_adam_backend_matches_plain_adamw():
     reference_step(ref, lens, tokens, targets, weights)
     trainer = Trainer(ours, TrainerConfig(num_chunks=4, optimizer=dataclasses.replace(OPT, backend="deepspeed")))
     assert trainer.optimizer.backend == "deepspeed"
-    trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+    trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert rel_err(p.detach(), q.detach()) <= 1e-6, name
 
@@ -188,7 +188,7 @@ def test_deepspeed_adam_resume_at_step_3_is_bit_for_bit(tmp_path, num_chunks):
 
     def step(trainer, b):
         lens, tokens, targets, weights = b
-        trainer.train_step(tokens, lens, targets, lambda lp, rows: -(lp * weights[rows]).sum() / weights.numel())
+        trainer.train_step(tokens, lens, targets, lambda lp, rows, seqs: -(lp * weights[rows]).sum() / weights.numel())
 
     straight = Trainer(make_model(), TrainerConfig(num_chunks=num_chunks, optimizer=ds))
     assert straight.optimizer.backend == "deepspeed"
