@@ -107,7 +107,7 @@ if TASK not in TASKS:
 def make_driver(args: argparse.Namespace, env: EnvConfig) -> RolloutDriver:
     """A fresh engine (the same weights every call) and a greedy driver on the bench_tool task."""
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15)
-    engine = Engine(model, EngineConfig(max_model_len=args.max_model_len, num_pages=args.pages, show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, args.pages, max_model_len=args.max_model_len))
     params = {"seed": args.seed, "latency_s": args.latency_s, "jitter": args.jitter,
               "hang_fraction": args.hang_fraction, "hang_s": args.hang_s, "max_turns": args.turns}
     config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=args.max_new_tokens)

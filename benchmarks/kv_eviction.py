@@ -62,7 +62,7 @@ def run(model: HybridLM, prompts: list[list[int]], new_tokens: int, kv: KVBudget
         reference: dict[str, list[int]] | None) -> dict:
     engine = Engine(model, EngineConfig(max_model_len=len(max(prompts, key=len)) + new_tokens + 1,
                                         block_tokens=BLOCK_TOKENS, max_num_batched_tokens=256,
-                                        show_progress=False, kv_budget=kv))
+                                        kv_budget=kv))
     forced = Forced(engine, reference)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]

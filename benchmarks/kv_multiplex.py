@@ -62,8 +62,8 @@ def multiplexed(model: HybridLM, args: argparse.Namespace) -> dict[str, float]:
     trainer = Trainer(model, TrainerConfig(), ledger=ledger)
     states = ledger.held("train_states")
     cache = PrefixCacheConfig(hash_block=args.hash_block, model_id="tiny", reuse_stale=True)
-    engine = Engine(model, EngineConfig(num_pages=args.mux_pages, host_pool_mb="auto", max_model_len=1024,
-                                        max_num_batched_tokens=512, show_progress=False, prefix_cache=cache),
+    engine = Engine(model, EngineConfig.for_pages(model, args.mux_pages, host_pool_mb="auto", max_model_len=1024,
+                                                  max_num_batched_tokens=512, prefix_cache=cache),
                     ledger=ledger)
     system, users = make_trace(args.sessions, args.turns, args.seed)
     histories, boundaries = [list(system) for _ in users], [[len(system)] for _ in users]

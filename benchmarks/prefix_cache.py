@@ -45,8 +45,8 @@ def run(model: HybridLM, system: list[int], users, hash_block: int | None, new_t
     """The trace through one engine; returns (engine, [(prompt, oracle prefix)], hit tokens, tokens computed)."""
     cache = (PrefixCacheConfig(hash_block=hash_block, model_id="tiny", eviction=eviction, host_mode=host_mode)
              if hash_block else None)
-    cfg = EngineConfig(num_pages=pages, max_model_len=1024, max_num_batched_tokens=512, show_progress=False,
-                       prefix_cache=cache, host_num_pages=host_pages)
+    cfg = EngineConfig.for_pages(model, pages, host_pages=host_pages, max_model_len=1024, max_num_batched_tokens=512,
+                                 prefix_cache=cache)
     engine = Engine(model, cfg)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     history = [list(system) for _ in users]

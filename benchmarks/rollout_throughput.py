@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lens]
     total = args.num_prompts * args.new_tokens
 
-    engine = Engine(model, EngineConfig(max_model_len=64 + args.new_tokens + 1, show_progress=False,
+    engine = Engine(model, EngineConfig(max_model_len=64 + args.new_tokens + 1,
                                         max_num_batched_tokens=4096))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     hf = None if args.skip_hf else hf_runner(model, prompts, args.new_tokens)

@@ -36,8 +36,8 @@ def workload(num: int, new_tokens: int, seed: int, forks: int) -> tuple[list[lis
 
 
 def run(model: HybridLM, pages: int, host_pages: int, prompts, params) -> dict[str, float]:
-    engine = Engine(model, EngineConfig(num_pages=pages, host_num_pages=host_pages, max_model_len=512,
-                                        max_num_batched_tokens=256, show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, pages, host_pages=host_pages, max_model_len=512,
+                                                  max_num_batched_tokens=256))
     start = time.process_time()
     outs = engine.generate(prompts, params)
     elapsed = time.process_time() - start

@@ -32,8 +32,8 @@ from rollout.sampling import SamplingParams
 
 def run_setting(model: HybridLM, args: argparse.Namespace, max_concurrency: int | None) -> dict[str, float]:
     cache = (PrefixCacheConfig(hash_block=args.prefix_cache, model_id="tiny") if args.prefix_cache else None)
-    engine = Engine(model, EngineConfig(num_pages=args.pages, max_model_len=args.max_len, show_progress=False,
-                                        max_num_batched_tokens=512, prefix_cache=cache))
+    engine = Engine(model, EngineConfig.for_pages(model, args.pages, max_model_len=args.max_len,
+                                                  max_num_batched_tokens=512, prefix_cache=cache))
     dispatcher = Dispatcher(engine, ThrottleConfig(max_concurrency=max_concurrency))
     gen = torch.Generator().manual_seed(0)
     user_turns = {c: [torch.randint(0, 256, (args.user_tokens,), generator=gen).tolist() for _ in range(args.turns)]

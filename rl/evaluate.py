@@ -28,7 +28,7 @@ from memory.durable import write_durable
 from models.checkpoint import load_checkpoint
 from models.tokenizer import load_tokenizer
 from rl.run.checkpoint import RUN_CONFIG, checkpoint_info
-from rl.config import RunConfig, to_run_config, upgrade_stored_config, writable
+from rl.config import RunConfig, to_run_config, writable
 from rl.envs.data import load_rows
 from rl.episodes.env_runner import EnvRunner
 from rl.export.cli import pick_checkpoint, run_command
@@ -58,13 +58,13 @@ def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def stored_config(checkpoint: Path, overrides: list[str]) -> RunConfig:
-    """The run config a checkpoint was trained with (older key names upgraded), `overrides` applied
+    """The run config a checkpoint was trained with, `overrides` applied
     and every value checked as at composition (ValueError naming a bad one)."""
     path = checkpoint / RUN_CONFIG
     if not path.exists():
         raise EvaluateError(f"{checkpoint} stores no {RUN_CONFIG} (written before run configs were stored): "
                             f"evaluate it from a run of this version")
-    tree = upgrade_stored_config(json.loads(path.read_text()))
+    tree = json.loads(path.read_text())
     cfg = OmegaConf.structured(RunConfig)
     writable(cfg)  # frozen dataclasses make read-only nodes
     cfg = OmegaConf.merge(cfg, tree)
@@ -90,7 +90,7 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
         rows = load_rows(cfg.data.val_files, cfg.data, lambda p: tokenizer.render(
             p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
     model = load_checkpoint(checkpoint, cfg.experiment.torch_dtype)
-    engine = Engine(model, replace(cfg.engine, seed=cfg.seed, show_progress=False), detokenize=tokenizer.decode)
+    engine = Engine(model, cfg.engine, detokenize=tokenizer.decode, seed=cfg.seed)
     runner = EnvRunner(cfg.env.workers, cfg.env.timeout_s) if cfg.env.workers else None  # as the run's
     try:
         metrics = evaluate(engine, tokenizer, cfg.task.name, cfg.task.params, replace(cfg.eval, dump=True),

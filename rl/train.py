@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from rl.config import RunConfig, compose_run_config, register_configs, to_run_config, upgrade_overrides
+from rl.config import RunConfig, compose_run_config, register_configs, to_run_config
 from rl.config.resume import check_checkpoint_dtypes, check_config_drift
 from rl.envs.tasks.base import make_task
 from rl.run.build import build, start_from_warmup
@@ -155,7 +155,6 @@ def precheck(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = upgrade_overrides(sys.argv[1:])  # renamed keys still work for one release, with a warning
     precheck(sys.argv[1:])
     if int(os.environ.get("RANK", "0")) > 0:
         # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.

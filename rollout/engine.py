@@ -1,6 +1,6 @@
 """The rollout engine: requests in, tokens + logprobs + policy versions out.
 
-    engine = Engine(model, EngineConfig(num_pages=256))
+    engine = Engine(model, EngineConfig(pool_mb=64), seed=0)
     outputs = engine.generate([prompt_ids, ...], SamplingParams(temperature=0.7, n=8))
 
 `step()` is the whole pipeline, nano-vllm style, one method per stage: schedule -> prepare (who
@@ -26,11 +26,9 @@ from rich.progress import Progress
 from kernels.impl import default_impl
 from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
-from memory.layout import CacheLayout
 from memory.page_pool import OutOfPages, PagePool
 from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
-from models.precision import parse_dtype
 from rollout.cache_manager import CacheManager
 from rollout.engine_config import EngineConfig
 from rollout.kv_eviction import KVEvictor
@@ -82,25 +80,21 @@ class _SamplePlan:
 
 class Engine:
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0) -> None:
         self.config = config = config or EngineConfig()
+        self.seed = seed
+        """Seeds requests that give no seed of their own (an RL run's engine: the run's seed)."""
         self.detokenize = detokenize
         """Token ids -> text, for requests with `SamplingParams.stop_strings` (None: such requests are refused)."""
         self.model = model.eval()
-        dtype = model.output_weight.dtype  # the MLA cache holds latents in the model's dtype
-        self.layout = CacheLayout.for_model(model.config, group_layers=config.group_layers, cache_dtype=dtype,
-                                            state_dtype=parse_dtype(config.kda_state_dtype),
-                                            block_tokens=config.block_tokens,
-                                            hash_block=config.prefix_cache.hash_block if config.prefix_cache else None)
+        self.layout = config.layout_for(model)
         device = next(model.parameters()).device
-        self.pool = (PagePool(self.layout, config.num_pages, device) if config.num_pages is not None
-                     else PagePool.from_bytes(self.layout, config.pool_mb << 20, device))
+        self.pool = PagePool.from_bytes(self.layout, config.pool_bytes, device)
         pin = device.type == "cuda"
-        if config.host_num_pages is None and config.host_pool_mb == "auto":  # leased at each rollout
+        host_bytes = config.host_pool_bytes
+        if host_bytes is None:  # "auto": leased at each rollout
             self.host = HostPagePool.unleased(self.layout.page_bytes, ledger=ledger, pin_memory=pin)
         else:
-            host_bytes = (config.host_num_pages * self.layout.page_bytes if config.host_num_pages is not None
-                          else config.host_pool_mb << 20)
             self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger, pin_memory=pin)
                          if host_bytes else None)
         copies = PageCopies(self.pool, self.host)
@@ -158,7 +152,7 @@ class Engine:
             request_id = str(next(self._request_ids))  # only now: a refused request consumes no id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}:{request_id}".encode())
+        base_seed = params.seed if params.seed is not None else zlib.crc32(f"{self.seed}:{request_id}".encode())
 
         def new_seq(fork: int, num_forks: int = 0) -> Sequence:
             gen = torch.Generator().manual_seed(base_seed + fork)
@@ -362,22 +356,23 @@ class Engine:
         text = self.detokenize(seq.tokens[start:])
         return any(s in text for s in seq.params.stop_strings)
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion (with whatever else is queued); outputs in prompt order."""
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion (with whatever else is queued); outputs in prompt order;
+        `progress`: a (transient) progress bar."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         outputs: dict[str, RequestOutput] = {}
-        with Progress(disable=not self.config.show_progress, transient=True) as progress:
-            task = progress.add_task("generating", total=len(ids))
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("generating", total=len(ids))
             while len(outputs) < len(ids):
                 if not self.has_unfinished:
                     raise RuntimeError("engine has no work left but requests are unfinished (paused?)")
                 for out in self.step():
                     outputs[out.request_id] = out
-                    progress.advance(task)
+                    bar.advance(task)
         return [outputs[i] for i in ids]
 
     # ---- memory and weights ----------------------------------------------------------------------------

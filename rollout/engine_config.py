@@ -1,14 +1,24 @@
 """The rollout engine's settings (rollout/engine.py): one dataclass, used as is by the RL run's
 `engine` config group (rl/config/__init__.py: `engine.pool_mb=...`; the optional `prefix_cache` and
-`kv_budget` nodes are Hydra groups of their own), so every knob has one name and one default."""
+`kv_budget` nodes are Hydra groups of their own), so every knob has one name and one default. Each
+pool has one size knob, in MiB (`pool_mb`, `host_pool_mb`); `EngineConfig.for_pages` gives the MiB of
+an exact page count (tests). The requests' base seed is the Engine's `seed` argument (an RL run's is
+its `seed`), the progress bar `generate(progress=True)`'s: neither is a knob here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kernels.impl import check_impl
+from memory.layout import CacheLayout
 from models.precision import parse_dtype
 from rollout.kv_eviction import KVBudgetConfig
 from rollout.prefix_config import PrefixCacheConfig
+
+if TYPE_CHECKING:
+    from models.model import HybridLM
+
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,10 +27,9 @@ class EngineConfig:
     """Longest sequence (prompt + generated, every turn of a conversation) the engine accepts: a longer
     prompt is refused (`ContextTooLong`). The pool must hold one sequence of this length (or of the
     KV budget): 64k-128k contexts are this knob and pool_mb."""
-    num_pages: int | None = None
-    """Pages in the device pool (exact); None = as many as pool_mb holds."""
-    pool_mb: int = 64
-    """Device page pool, MiB, when num_pages is None (per engine: each rank's engine has its own)."""
+    pool_mb: int | float = 64
+    """Device page pool, MiB (per engine: each rank's engine has its own): as many pages as it holds
+    (the remainder is unused). A fraction of a MiB is allowed (`for_pages`: an exact page count)."""
     group_layers: int | None = None
     """Layers per cache group (default: the number of MLA layers)."""
     block_tokens: int | None = None
@@ -32,22 +41,16 @@ class EngineConfig:
     """Sequences running at once."""
     kernel_impl: str | None = None
     """"naive" (torch) or "triton"; None = triton on CUDA, naive on CPU."""
-    seed: int = 0
-    """Seeds requests that give no seed of their own."""
     check_every_step: bool = False
     """Run the pool/cache integrity checks after every step (tests, debugging)."""
-    show_progress: bool = True
-    """Progress bar in generate()."""
     prefix_cache: PrefixCacheConfig | None = None
     """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
-    host_pool_mb: int | str = 0
+    host_pool_mb: int | float | str = 0
     """Host KV pool, MiB (memory/host_pool.py): the prefix cache's second tier and where paused
     sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given.
     "auto": the pool starts with no page and is sized at each rollout from what the ledger has free
     (`CacheManager.restore_host`; the RL loop does it, with memory.spill_dir: the DRAM the spilled
     training states freed)."""
-    host_num_pages: int | None = None
-    """Pages in the host KV pool (exact); None = as many as host_pool_mb holds."""
     kv_budget: KVBudgetConfig | None = None
     """Token eviction for the MLA layers (rollout/kv_eviction.py: H2O or InfiniGen): at most
     `budget_tokens` MLA slots per sequence on the device; None = full KV (the default)."""
@@ -66,17 +69,44 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}, expected >= 1 (tokens per "
                              f"engine step; a longer prompt is prefilled in chunks of this size)")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages={self.num_pages}, expected >= 1 or None")
-        if self.pool_mb < 1:
-            raise ValueError(f"pool_mb={self.pool_mb}, expected >= 1")
+        if isinstance(self.pool_mb, (str, bool)) or not self.pool_mb > 0:
+            raise ValueError(f"pool_mb={self.pool_mb!r}, expected a number of MiB > 0")
         if self.host_pool_mb != "auto" and (isinstance(self.host_pool_mb, (str, bool)) or self.host_pool_mb < 0):
-            raise ValueError(f"host_pool_mb={self.host_pool_mb!r}, expected an integer >= 0 (0 = no host KV pool) "
-                             f"or 'auto'")
-        if self.host_num_pages is not None and self.host_num_pages < 0:
-            raise ValueError(f"host_num_pages={self.host_num_pages}, expected >= 0 or None")
+            raise ValueError(f"host_pool_mb={self.host_pool_mb!r}, expected a number of MiB >= 0 (0 = no host KV "
+                             f"pool) or 'auto'")
         if self.kernel_impl is not None:
             check_impl(self.kernel_impl)
+
+    @property
+    def pool_bytes(self) -> int:
+        """The device pool's size in bytes (pool_mb MiB); it holds pool_bytes // page_bytes pages."""
+        return int(self.pool_mb * MIB)
+
+    @property
+    def host_pool_bytes(self) -> int | None:
+        """The host pool's size in bytes (host_pool_mb MiB; 0 = none); None for "auto" (sized at each
+        rollout from what the ledger has free)."""
+        return None if self.host_pool_mb == "auto" else int(self.host_pool_mb * MIB)
+
+    def layout_for(self, model: HybridLM) -> CacheLayout:
+        """The page geometry an Engine of this config builds for `model`: MLA latents in the model's
+        dtype (its output weight's), KDA states in kda_state_dtype, block_tokens a multiple of the
+        prefix cache's hash block when there is one."""
+        return CacheLayout.for_model(model.config, group_layers=self.group_layers,
+                                     cache_dtype=model.output_weight.dtype,
+                                     state_dtype=parse_dtype(self.kda_state_dtype), block_tokens=self.block_tokens,
+                                     hash_block=self.prefix_cache.hash_block if self.prefix_cache else None)
+
+    @classmethod
+    def for_pages(cls, model: HybridLM, num_pages: int, host_pages: int = 0, **knobs) -> EngineConfig:
+        """The config (`knobs` as given) whose pools hold exactly `num_pages` device pages and
+        `host_pages` host pages of `model`'s layout: pool_mb and host_pool_mb are those page counts'
+        bytes in MiB (a fraction of a MiB, exact: bytes / 2^20 is a float without rounding)."""
+        config = cls(**knobs)
+        page_bytes = config.layout_for(model).page_bytes
+        sizes = {"pool_mb": num_pages * page_bytes / MIB} | ({"host_pool_mb": host_pages * page_bytes / MIB}
+                                                              if host_pages else {})
+        return replace(config, **sizes)
 
     @property
     def longest_kv_tokens(self) -> int:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 class PrefixCacheConfig:
     hash_block: int = 512
     """Tokens per hash block (the reuse granularity); the pool's block_tokens must be a multiple."""
-    model_id: str = "model"
-    """Part of every hash's salt (with the policy version)."""
+    model_id: str = "policy"
+    """Part of every hash's salt (with the policy version): "policy", the RL run's engine, by default."""
     eviction: str = "turn_aware"
     """"turn_aware": turn-boundary checkpoints and the MLA pages under them are evicted last;
     "lru": least recently used first, whatever they hold."""
@@ -23,9 +23,10 @@ class PrefixCacheConfig:
     """Rule 3: evicting a checkpoint page evicts its siblings in the other KDA groups. Off only in
     tests that show why."""
     reuse_stale: bool = False
-    """Partial-rollout reuse: keep the cache across weight updates (prefixes computed by older
-    policy versions may hit; the trainer's importance weights correct for it). Off: a new version
-    empties the cache, and the version is part of every hash's salt."""
+    """KV across weight updates: keep the cache when a new policy version loads (prefixes computed by
+    older versions may hit; the tokens sampled on them are tagged with the oldest version whose KV
+    they read, so the trainer's truncated importance weights see them, and `prefix_stale_hit_tokens`
+    counts them). Off: a new version empties the cache, and the version is part of every hash's salt."""
     host_mode: str = "write_back"
     """With a host tier: "write_back" copies a page to host memory only when the device pool evicts
     it; "write_through" (the baseline) copies every page when it is registered (again as its

@@ -215,8 +215,8 @@ def _engine_syncs(ctx: Ctx, figures, dt: torch.dtype, tag: str) -> None:
 
     model = HybridLM(load_model_config(str(ROOT / "configs/model/tiny.yaml"))).init_weights(seed=7, std=0.15)
     model = cast_parameters(model, dt).to(ctx.device).eval()  # the run's recipe: some parameters stay fp32
-    engine = Engine(model, EngineConfig(max_model_len=256, num_pages=256, max_num_batched_tokens=2048,
-                                        kernel_impl="triton", show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, 256, max_model_len=256, max_num_batched_tokens=2048,
+                                                  kernel_impl="triton"))
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True)
     engine.generate([[5, 6, 7] * 10] * 4, params)  # compiles every kernel first
     for i in range(32):

@@ -11,13 +11,15 @@ every group is a typed schema, a misspelt key (`rollout.max_new_tokns=8`) or a w
 (`trainer.num_chunks=two`) fails at composition with Hydra's message naming the key; value checks
 run in each dataclass's `__post_init__` when `to_run_config` builds it, the message prefixed with
 the key's path (`engine.max_model_len=1, expected >= 2`), and `RunConfig` checks what spans groups.
-Keys renamed by this layout (RENAMED_KEYS and the group selections) still work for one release:
-`upgrade_overrides` rewrites them with a warning naming the new key, `upgrade_stored_config` reads
-an older checkpoint's stored config in the new names.
+rl/config/checks.py holds the checks that need more than the values (the command line's
+overrides, the number of ranks, the loaded tokenizer); tests/rl/test_knobs.py keeps the YAML files
+and the dataclasses to one name and one default per knob.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import re
 from dataclasses import MISSING as FIELD_MISSING
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -32,8 +34,7 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
-from rl.config.upgrade import (PREFIX_CACHE_MODEL_ID, RENAMED_KEYS, DeprecatedKeyWarning,  # noqa: F401 (re-exported)
-                               upgrade_overrides, upgrade_stored_config)
+from rl.config.checks import check_optional_groups, check_world
 from rl.envs.data import DataConfig, check_files
 from rl.episodes.env_runner import EnvConfig
 from rl.episodes.driver import DriverConfig
@@ -47,10 +48,11 @@ from trainer.step import TrainerConfig
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    name: str = "majority_digit"
-    """Registered task (rl/envs/tasks) or an import path "package.module:Class"."""
+    name: str = MISSING
+    """Registered task (rl/envs/tasks) or an import path "package.module:Class"; each configs/task
+    file names its own (the default is the `task` group's selection in configs/config.yaml)."""
     params: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the task's constructor."""
+    """Keyword arguments of the task's constructor (its own defaults for the others)."""
 
     def __post_init__(self) -> None:
         """The task resolves and builds with these params (a scored task loads its reward function)."""
@@ -64,6 +66,27 @@ class TaskConfig:
             factory(**self.params)
         except (TypeError, ValueError) as err:
             raise ValueError(f"task.name={self.name!r} with task.params={dict(self.params)!r}: {err}") from None
+
+    @property
+    def resolved_params(self) -> dict[str, Any]:
+        """Every keyword of the task's constructor with the value it runs with: `params`, and the
+        constructor's defaults for the others (what the run's stored config records)."""
+        return task_params(self.name, self.params)
+
+
+def task_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` completed with the defaults of task `name`'s constructor keywords it does not set
+    (keywords without a default, *args and **kwargs are left as given)."""
+    from rl.envs.tasks import resolve_task
+
+    try:
+        signature = inspect.signature(resolve_task(name))
+    except (TypeError, ValueError):  # no task of that name, or a factory without a signature
+        return dict(params)
+    defaults = {k: p.default for k, p in signature.parameters.items()
+                if p.default is not inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return defaults | dict(params)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +166,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
-    name: str = "cpu_demo"
+    name: str | None = None
+    """The preset's name (each configs/experiment file sets its own); null without one."""
     iterations: int = 10
     """RL iterations (rollout + train each)."""
     init_std: float = 0.1
@@ -213,12 +237,12 @@ class ExperimentConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig = MISSING
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = MISSING
+    """The `task` group's selection (configs/task)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: DriverConfig = field(default_factory=DriverConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The rollout engine of each rank; its `seed` and `show_progress` are the run's (rl/train.py's
-    build() sets the run's seed and no progress bar: the tracker shows the rollout's)."""
+    """The rollout engine of each rank (its requests are seeded by the run's `seed`: rl/run/build.py)."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
@@ -236,6 +260,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
+    """The run's seed: the policy's random init, the engine's requests, the tasks' episodes."""
     run_dir: str = "runs/cpu_demo"
     """Where checkpoints, metrics, plots and wandb files go (also Hydra's run dir)."""
     resume: Any = False
@@ -248,9 +273,6 @@ class RunConfig:
         if self.resume not in (False, True, "must"):
             raise ValueError(f"resume={self.resume!r}, expected false, true or must")
         r, e = self.rollout, self.engine
-        if e.seed != EngineConfig.seed:
-            raise ValueError(f"engine.seed={e.seed}: an RL run seeds its engine with the run's seed (seed={self.seed}); "
-                             f"set seed instead")
         if r.max_new_tokens >= e.max_model_len:
             raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt under "
                              f"engine.max_model_len={e.max_model_len}; expected max_new_tokens < max_model_len")
@@ -258,7 +280,7 @@ class RunConfig:
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
                              "memory.release_pool_in_train=true frees the device pool for training and there is no "
                              "host KV pool to park it in; set engine.host_pool_mb > 0 or release_pool_in_train=false")
-        if e.host_pool_mb == "auto" and e.host_num_pages is None and self.memory.spill_dir is None:
+        if e.host_pool_mb == "auto" and self.memory.spill_dir is None:
             raise ValueError("engine.host_pool_mb='auto' lends the host KV pool the DRAM the spilled training states "
                              "free during each rollout, but memory.spill_dir is null (nothing is spilled); set "
                              "memory.spill_dir or give engine.host_pool_mb in MiB")
@@ -276,9 +298,6 @@ class RunConfig:
         if self.task.name == "scored" and not self.data.enabled:
             raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
                              "the files (jsonl) of your prompts and labels")
-        if r.reuse_stale_prefix and e.prefix_cache is None:
-            raise ValueError("rollout.reuse_stale_prefix=true reuses the prefix cache's entries across iterations, but "
-                             "the prefix cache is off; add prefix_cache=on")
         layers, t = self.model.num_hidden_layers, self.trainer
         most = layers + 2 if t.chunk_split == "params" else layers
         if t.num_chunks > most:
@@ -294,27 +313,22 @@ class RunConfig:
 
     @property
     def has_host_pool(self) -> bool:
-        """Whether the engine gets a host KV pool (engine.host_num_pages, else engine.host_pool_mb)."""
-        e = self.engine
-        return bool(e.host_num_pages) if e.host_num_pages is not None else e.host_pool_mb == "auto" or e.host_pool_mb > 0
+        """Whether the engine gets a host KV pool (engine.host_pool_mb: "auto" or > 0)."""
+        return self.engine.host_pool_mb == "auto" or self.engine.host_pool_mb > 0
 
     def _check_pool(self) -> None:
         """The engine's "cannot hold one sequence" check, at composition (the same page formula)."""
         layout, e = self.cache_layout, self.engine
-        pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
+        pool_pages = e.pool_bytes // layout.page_bytes
         needed = layout.sequence_pages(e.longest_kv_tokens)
         if needed <= pool_pages:
             return
-        size = (f"engine.num_pages={e.num_pages}" if e.num_pages is not None
-                else f"engine.pool_mb={e.pool_mb} holds {pool_pages} pages")
         raise ValueError(
-            f"{size} of {layout.page_bytes:,} bytes, but one sequence of engine.max_model_len={e.max_model_len} tokens"
+            f"engine.pool_mb={e.pool_mb} holds {pool_pages} pages of {layout.page_bytes:,} bytes, but one sequence of engine.max_model_len={e.max_model_len} tokens"
             + (f" (engine.kv_budget.budget_tokens={e.kv_budget.budget_tokens} on the device)" if e.kv_budget else "")
             + f" needs {needed} pages ({len(layout.kda_groups)} KDA state pages + {len(layout.mla_groups)} x "
             f"{layout.mla_pages_for(e.longest_kv_tokens)} MLA pages of {layout.block_tokens} tokens); set "
-            + (f"engine.num_pages >= {needed}" if e.num_pages is not None
-               else f"engine.pool_mb >= {layout.pool_mb_for(needed)}")
-            + " or lower engine.max_model_len")
+            f"engine.pool_mb >= {layout.pool_mb_for(needed)} or lower engine.max_model_len")
 
     @property
     def cache_layout(self) -> CacheLayout:
@@ -342,6 +356,8 @@ def schema_default(path: str) -> Any:
         if field_ is None:
             return NO_DEFAULT
         if i == len(parts) - 1:
+            if isinstance(field_.default, str) and field_.default == MISSING:  # "???": a group's selection
+                return NO_DEFAULT
             if field_.default is not FIELD_MISSING:
                 value = field_.default
             elif field_.default_factory is not FIELD_MISSING:
@@ -400,10 +416,13 @@ def _build_groups(node: DictConfig, path: str) -> None:
 def to_run_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The composed Hydra config as validated dataclasses (value errors name the key). With
     experiment.checkpoint and no `model` group or `model.*` key among the command line's `overrides`,
-    the model config is the checkpoint's config.json (`adopt_checkpoint_model`)."""
+    the model config is the checkpoint's config.json (`adopt_checkpoint_model`). The rules on the
+    number of ranks are checked for WORLD_SIZE (torchrun's; 1 without it)."""
     adopt_checkpoint_model(cfg, overrides)
     _build_groups(cfg, "")
-    return OmegaConf.to_object(cfg)
+    run_config = OmegaConf.to_object(cfg)
+    check_world(run_config, int(os.environ.get("WORLD_SIZE", "1")))
+    return run_config
 
 
 def adopt_checkpoint_model(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) -> None:
@@ -422,11 +441,12 @@ def adopt_checkpoint_model(cfg: DictConfig, overrides: list[str] | tuple[str, ..
 
 
 def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """The run config `python -m rl.train *overrides` runs (deprecated keys upgraded, with their
-    warnings): for tools and tests that compose outside Hydra's main."""
+    """The run config `python -m rl.train *overrides` runs: for tools and tests that compose outside
+    Hydra's main (and rl.train's precheck, before Hydra writes anything)."""
     from hydra import compose, initialize_config_dir
 
     register_configs()
+    overrides = list(overrides)
+    check_optional_groups(overrides)
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        overrides = upgrade_overrides(list(overrides))
         return to_run_config(compose("config", overrides=overrides), overrides)

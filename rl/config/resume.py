@@ -11,7 +11,7 @@ from pathlib import Path
 from models.checkpoint import checkpoint_dtype
 from models.config import ModelConfig
 from models.precision import DTYPES, dtype_name
-from rl.config import NO_DEFAULT, RunConfig, schema_default, upgrade_stored_config
+from rl.config import NO_DEFAULT, RunConfig, schema_default, task_params
 from rl.run.checkpoint import RUN_CONFIG
 
 
@@ -26,8 +26,17 @@ and the warm-up, read only by a new run). Any other change is refused."""
 
 
 def resolved_config(cfg: RunConfig) -> dict:
-    """The run's config as plain JSON values (what the tracker logs and each checkpoint stores)."""
-    return json.loads(json.dumps(asdict(cfg), default=str))
+    """The run's config as plain JSON values (what the tracker logs and each checkpoint stores), the
+    task's params complete: every constructor keyword with the value it runs with."""
+    return _complete_task(json.loads(json.dumps(asdict(cfg), default=str)))
+
+
+def _complete_task(tree: dict) -> dict:
+    """`tree` (a resolved config) with task.params completed by the task constructor's defaults."""
+    task = tree.get("task")
+    if isinstance(task, dict) and isinstance(task.get("name"), str):
+        task["params"] = json.loads(json.dumps(task_params(task["name"], task.get("params") or {}), default=str))
+    return tree
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, object]:
@@ -60,15 +69,15 @@ def check_checkpoint_model(cfg: RunConfig) -> None:
 def check_config_drift(cfg: RunConfig, resume_path: Path) -> None:
     """Refuse a resume whose config differs from the one the checkpoint was written with, outside
     RESUME_MAY_CHANGE, naming every differing key with both values. A checkpoint from before configs
-    were stored is resumed with a warning. A config stored under the old key names (rl/config/__init__.py
-    RENAMED_KEYS) is compared in today's names (`upgrade_stored_config`); a key it lacks (a knob added
-    since) is compared at the schema's default, the behaviour the checkpoint ran with."""
+    were stored is resumed with a warning. A key the stored config lacks (a knob added since, a task
+    param it left at the constructor's default) is compared at today's default, the behaviour the
+    checkpoint ran with."""
     stored = resume_path / RUN_CONFIG
     if not stored.exists():
         print(f"WARNING: {resume_path} stores no run config (written before {RUN_CONFIG}); the resume cannot "
               f"check that the config is unchanged", file=sys.stderr)
         return
-    before, now = _flatten(upgrade_stored_config(json.loads(stored.read_text()))), _flatten(resolved_config(cfg))
+    before, now = _flatten(_complete_task(json.loads(stored.read_text()))), _flatten(resolved_config(cfg))
     for key in now.keys() - before.keys():  # a knob added since: the checkpoint ran with its default
         default = schema_default(key)
         if default is not NO_DEFAULT:

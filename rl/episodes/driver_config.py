@@ -43,11 +43,6 @@ class DriverConfig:
     """Partial rollouts: new groups start only while fewer than this many groups (over all ranks) are
     unfinished, carried over or new; None = groups_per_iteration new groups every iteration (then a
     budget below what an iteration samples lets the carry-over grow without bound)."""
-    reuse_stale_prefix: bool = False
-    """KV across iterations: prefixes the prefix cache computed under earlier policy versions may hit
-    in later iterations (engine.prefix_cache.reuse_stale); the tokens sampled on them are tagged with
-    the oldest version whose KV they read, so the trainer's truncated importance weights see them, and
-    `prefix_stale_hit_tokens` counts them. Off: a new version empties the cache."""
     max_staleness: int | None = None
     """KV older than this many policy versions at the next rollout is not kept across iterations:
     prefix entries are dropped and parked partial rollouts recomputed (rollout/host_spill.py, when

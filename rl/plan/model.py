@@ -167,16 +167,14 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     weights = _param_bytes(model.parameters())
     layout = cache_layout(cfg)
     e = cfg.engine
-    pool_pages = e.num_pages if e.num_pages is not None else (e.pool_mb << 20) // layout.page_bytes
+    pool_pages = e.pool_bytes // layout.page_bytes
     kl = cfg.algo.loss.kl_coef > 0
     reference_host = _reference_host_bytes(model, chunked) if kl and cfg.memory.reference == "stream" else 0
-    if e.host_num_pages is not None:
-        host_pages = e.host_num_pages
-    elif e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
+    if e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
         rank_budget = host_budget_bytes(cfg, cluster) // cluster.gpus_per_node
         host_pages = max(0, rank_budget - reference_host - _steps_bytes(cfg, t.num_chunks)) // layout.page_bytes
     else:
-        host_pages = (e.host_pool_mb << 20) // layout.page_bytes
+        host_pages = e.host_pool_bytes // layout.page_bytes
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
     checksum = NvmeStoreConfig().checksum

@@ -71,17 +71,14 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     else:
         engine_model = policy  # one copy of the weights: the engine runs on the trainer's parameters
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
-    # The configs go through as composed; the engine's seed is the run's, and its progress bar is
-    # off (the tracker shows the rollout's).
-    prefix = cfg.engine.prefix_cache  # rollout.reuse_stale_prefix: its entries outlive a weight update
-    prefix = replace(prefix, reuse_stale=True) if prefix is not None and cfg.rollout.reuse_stale_prefix else prefix
+    # The configs go through as composed; the engine's requests are seeded by the run's seed.
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
                          f"vocab_size is {cfg.model.vocab_size}: ids past it have no embedding; expected a tokenizer "
                          f"of at most {cfg.model.vocab_size} tokens (or a model config that matches it)")
-    engine = Engine(engine_model, replace(cfg.engine, seed=cfg.seed, show_progress=False, prefix_cache=prefix),
-                    ledger=ledger, detokenize=tokenizer.decode)  # decode: tokenizer.stop_strings end answers
+    engine = Engine(engine_model, cfg.engine, ledger=ledger, detokenize=tokenizer.decode,  # decode: stop_strings
+                    seed=cfg.seed)
     if cfg.memory.spill_dir is not None and engine.host is not None:
         engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer

@@ -84,7 +84,7 @@ def test_an_explicit_block_tokens_must_be_a_multiple_of_the_hash_block():
     assert explicit.block_tokens == 1536 and explicit.page_bytes == 3_928_064 * 4  # FP32 state: 15,712,256 B
     # an engine with an explicit block_tokens the hash block does not divide is refused when built
     with pytest.raises(ValueError, match=r"block_tokens=64 .*hash_block=48"):
-        Engine(HybridLM(TINY), EngineConfig(block_tokens=64, show_progress=False,
+        Engine(HybridLM(TINY), EngineConfig(block_tokens=64,
                                             prefix_cache=PrefixCacheConfig(hash_block=48)))
 
 
@@ -93,7 +93,7 @@ def test_tiny_engine_with_the_default_hash_block_takes_512_token_pages_87_percen
     (20,992 B of state) is 87.2% padding: acceptable on the test model, whose ratio is 65.6 tokens."""
     hash_block = PrefixCacheConfig().hash_block
     assert hash_block == 512
-    engine = Engine(HybridLM(TINY), EngineConfig(show_progress=False, prefix_cache=PrefixCacheConfig()))
+    engine = Engine(HybridLM(TINY), EngineConfig(prefix_cache=PrefixCacheConfig()))
     assert (engine.layout.block_tokens, engine.layout.page_bytes) == (512, 163_840)
     assert engine.layout.kda_padding_fraction == pytest.approx((163_840 - 20_992) / 163_840, abs=1e-12)
     engine.check_integrity()
@@ -104,8 +104,8 @@ def test_a_hash_block_that_does_not_divide_the_old_page_builds_and_hits():
     cache used to refuse); the engine now takes 48-token pages and a repeated prompt hits."""
     assert CacheLayout.for_model(TINY).block_tokens % 48 != 0
     model = HybridLM(TINY).init_weights(seed=7, std=0.15).eval()
-    engine = Engine(model, EngineConfig(num_pages=40, max_model_len=400, show_progress=False, check_every_step=True,
-                                        prefix_cache=PrefixCacheConfig(hash_block=48, model_id="tiny")))
+    engine = Engine(model, EngineConfig.for_pages(model, 40, max_model_len=400, check_every_step=True,
+                                                  prefix_cache=PrefixCacheConfig(hash_block=48, model_id="tiny")))
     assert engine.layout.block_tokens == 48
     rng = random.Random(0)
     prompt = [rng.randrange(256) for _ in range(150)]

@@ -150,8 +150,9 @@ def test_engine_greedy_output_with_the_grouped_path_equals_the_loop():
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     results = {}
     for impl in ("loop", "grouped", "padded"):
-        engine = Engine(many_expert_model(impl), EngineConfig(num_pages=64, max_model_len=256, show_progress=False,
-                                                              max_num_batched_tokens=64, check_every_step=True))
+        model = many_expert_model(impl)
+        engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=256, max_num_batched_tokens=64,
+                                                      check_every_step=True))
         results[impl] = [out.samples[0] for out in engine.generate(prompts, params)]
     for impl in ("grouped", "padded"):
         for got, want in zip(results[impl], results["loop"]):

@@ -1,19 +1,18 @@
 """Composition of the run config: groups, typed schema errors, value errors."""
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from rl.config import (CONFIGS, PREFIX_CACHE_MODEL_ID, DeprecatedKeyWarning, RunConfig, compose_run_config,
-                       upgrade_overrides)
+from rl.config import CONFIGS, RunConfig, compose_run_config
+from rl.config.checks import check_optional_groups, check_tokenizer
 from rl.config.resume import resolved_config
 
 
 def default_run(*overrides: str) -> RunConfig:
-    """The config `python -m rl.train *overrides` runs (renamed keys upgraded, as there)."""
+    """The config `python -m rl.train *overrides` runs."""
     return compose_run_config(overrides)
 
 
@@ -106,17 +105,19 @@ def test_help_lists_the_groups():
 # What the single-turn demo (`experiment=single_turn`, the default run `experiment=cpu_demo` until the
 # multi-turn demo took its place) ran with before the groups became the components' own configs (then:
 # rollout.max_model_len=256, memory.pool_mb=16, trainer.num_chunks=2, ...): the preset must keep
-# resolving to exactly these values.
+# resolving to exactly these values. (Since then the aliases engine.seed, engine.show_progress and
+# rollout.reuse_stale_prefix and the page-count sizes engine.num_pages / host_num_pages are gone, and
+# the stored task params list every constructor keyword.)
 DEFAULT_RUN = {
     "rollout": {"groups_per_iteration": 8, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                 "max_concurrency": None, "budget_tokens": None, "budget_seconds": None,
                 "max_drop_fraction": 0.5, "partial_resume": "recompute",
-                "reuse_stale_prefix": False, "max_staleness": None,  # KV across iterations: off
+                "max_staleness": None,  # KV across iterations: off
                 "max_groups_in_flight": None},
-    "engine": {"max_model_len": 256, "num_pages": None, "pool_mb": 16, "group_layers": None, "block_tokens": None,
-               "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None, "seed": 0,
-               "check_every_step": False, "show_progress": True, "prefix_cache": None, "host_pool_mb": 0,
-               "host_num_pages": None, "kv_budget": None, "kda_state_dtype": "fp32"},
+    "engine": {"max_model_len": 256, "pool_mb": 16, "group_layers": None, "block_tokens": None,
+               "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None,
+               "check_every_step": False, "prefix_cache": None, "host_pool_mb": 0,
+               "kv_budget": None, "kda_state_dtype": "fp32"},
     "trainer": {"num_chunks": 2, "chunk_split": "layers", "num_grad_slots": 2, "max_bad_steps": 3,
                 "max_grad_norm": 1.0, "micro_batch_tokens": None,
                 "optimizer": {"lr": 5e-4, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "backend": "auto",
@@ -124,7 +125,7 @@ DEFAULT_RUN = {
     "memory": {"release_pool_in_train": True, "reference": "stream", "host_budget_mb": None, "spill_dir": None},
     "algo": {"advantage": "grpo", "group_size": 16, "ppo_epochs": 1, "mini_batches": 1},
     "experiment": {"name": "single_turn", "iterations": 400, "dtype": "fp32", "device": "cpu"},
-    "task": {"name": "majority_digit", "params": {"length": 3}},
+    "task": {"name": "majority_digit", "params": {"length": 3, "format_reward": 0.1, "max_turns": 1}},
     "warmup": {"steps": 0},
     "env": {"workers": 0, "timeout_s": 60.0, "max_retries": 0, "on_failure": "drop"},  # inline calls, as before
 }
@@ -139,7 +140,7 @@ def test_the_single_turn_preset_resolves_to_the_pinned_values():
 
 def test_the_optional_engine_nodes_are_groups():
     cfg = composed("prefix_cache=on", "engine.prefix_cache.hash_block=32")
-    assert cfg.engine.prefix_cache.hash_block == 32 and cfg.engine.prefix_cache.model_id == PREFIX_CACHE_MODEL_ID == "policy"
+    assert cfg.engine.prefix_cache.hash_block == 32 and cfg.engine.prefix_cache.model_id == "policy"
     assert composed().engine.prefix_cache is None and composed().engine.kv_budget is None
     cfg = composed("kv_budget=infinigen", "engine.kv_budget.budget_tokens=64")
     assert cfg.engine.kv_budget.budget_tokens == 64 and cfg.engine.kv_budget.policy == "infinigen"
@@ -148,31 +149,33 @@ def test_the_optional_engine_nodes_are_groups():
         composed("kv_budget=h2o")
 
 
-@pytest.mark.parametrize("old, new", [
-    (["memory.pool_mb=32"], ["engine.pool_mb=32"]),
-    (["memory.host_pool_mb=4"], ["engine.host_pool_mb=4"]),
-    (["rollout.max_model_len=128"], ["engine.max_model_len=128"]),
-    (["rollout.max_num_batched_tokens=64"], ["engine.max_num_batched_tokens=64"]),
-    (["rollout.kernel_impl=naive"], ["engine.kernel_impl=naive"]),
-    (["rollout.kda_state_dtype=bf16"], ["engine.kda_state_dtype=bf16"]),
-    (["rollout.prefix_hash_block=16"], ["prefix_cache=on", "engine.prefix_cache.hash_block=16"]),
-    (["++rollout.prefix_hash_block=16"], ["prefix_cache=on", "++engine.prefix_cache.hash_block=16"]),
-    (["rollout.prefix_hash_block=null"], []),
-    (["rollout.kv_budget_tokens=40"], ["kv_budget=h2o", "engine.kv_budget.budget_tokens=40"]),
-    (["rollout.kv_policy=infinigen", "rollout.kv_budget_tokens=40"],
-     ["kv_budget=infinigen", "engine.kv_budget.budget_tokens=40"]),
-    (["rollout.kv_policy=infinigen"], []),
-    (["rollout.max_concurrency=auto"], ["rollout.max_concurrency=null"]),
+@pytest.mark.parametrize("overrides, words", [
+    (["engine.prefix_cache.hash_block=16"], "select it first: prefix_cache=on engine.prefix_cache.hash_block=16"),
+    (["+engine.kv_budget.budget_tokens=64"], "select it first: kv_budget=h2o|infinigen"),
 ])
-def test_an_old_key_still_works_and_warns_naming_the_new_one(old, new):
-    with pytest.warns(DeprecatedKeyWarning) as caught:
-        assert upgrade_overrides(old) == new
-    assert len(caught) == len(old)
-    assert all(any(n in str(w.message) for w in caught) for n in new)  # every new key is named
-    with pytest.warns(DeprecatedKeyWarning):
-        assert replace(composed(*old), run_dir="x") == replace(composed(*new), run_dir="x")  # run_dir: its start time
+def test_an_optional_group_key_without_its_group_names_the_selection(overrides, words):
+    with pytest.raises(ValueError, match=words.replace("|", r"\|")):
+        check_optional_groups(overrides)
+    with pytest.raises(ValueError, match="is off"):
+        composed(*overrides)
+    check_optional_groups(["kv_budget=h2o", "engine.kv_budget.budget_tokens=64", "prefix_cache=on",
+                           "engine.prefix_cache.hash_block=16"])
 
 
-def test_other_overrides_pass_unchanged():
-    args = ["--help", "rollout.max_concurrency=3", "engine.pool_mb=8", "+tracking.x=1", "hydra.verbose=true"]
-    assert upgrade_overrides(args) == args
+def test_mini_batches_with_several_ranks_are_refused_at_composition(monkeypatch):
+    assert composed("algo.mini_batches=2").algo.mini_batches == 2  # one rank
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="algo.mini_batches=2 with 2 ranks"):
+        composed("algo.mini_batches=2")
+    assert composed("algo.ppo_epochs=2").algo.ppo_epochs == 2
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
+    class Tokenizer:
+        vocab_size = 300
+
+    cfg = composed()
+    with pytest.raises(ValueError, match="has 300 tokens but the model's vocab_size is 259"):
+        check_tokenizer(cfg, Tokenizer())
+    Tokenizer.vocab_size = 259
+    check_tokenizer(cfg, Tokenizer())

@@ -89,38 +89,12 @@ def test_a_refused_start_leaves_the_earlier_starts_hydra_records(tmp_path):
     assert all(p.read_bytes() == data for p, data in first.items())  # every earlier record unchanged
 
 
-# the engine's knobs where a run stored them before the engine group (the default run's values)
-OLD_IN_ROLLOUT = {"max_concurrency": "auto", "max_model_len": 256, "max_num_batched_tokens": 1024, "kernel_impl": None,
-                  "prefix_hash_block": None, "kv_budget_tokens": None, "kda_state_dtype": "fp32", "kv_policy": "h2o"}
-OLD_IN_MEMORY = {"pool_mb": 16, "host_pool_mb": 0}
-
-
-def _old_checkpoint(tmp_path: Path, cfg, **rollout) -> Path:
-    tree = resolved_config(cfg)
-    del tree["engine"]
-    tree["rollout"] |= OLD_IN_ROLLOUT | rollout
-    tree["memory"] |= OLD_IN_MEMORY
-    (tmp_path / RUN_CONFIG).write_text(json.dumps(tree))
-    return tmp_path
-
-
-def test_a_checkpoint_stored_under_the_old_key_names_resumes_in_the_new_ones(tmp_path):
-    cfg = composed(*SMALL)
-    check_config_drift(cfg, _old_checkpoint(tmp_path, cfg))  # the same run: nothing changed
-    with pytest.raises(ValueError, match="changed config: engine.pool_mb: 16 in the checkpoint, 32 now"):
-        check_config_drift(composed(*SMALL, "engine.pool_mb=32"), tmp_path)
-    cfg = composed(*SMALL, "prefix_cache=on", "engine.prefix_cache.hash_block=16")
-    check_config_drift(cfg, _old_checkpoint(tmp_path, cfg, prefix_hash_block=16))
-    with pytest.raises(ValueError, match="engine.prefix_cache.hash_block: 16 in the checkpoint, 32 now"):
-        check_config_drift(composed(*SMALL, "prefix_cache=on", "engine.prefix_cache.hash_block=32"), tmp_path)
-
-
 def test_a_checkpoint_from_before_a_knob_existed_resumes_at_its_default(tmp_path):
     """Keys a stored config lacks (knobs added since) count at the schema's default, the behaviour
     the checkpoint ran with: the same run resumes; setting such a knob otherwise is a change."""
     cfg = composed(*SMALL)
     tree = resolved_config(cfg)
-    for key in ("max_groups_in_flight", "reuse_stale_prefix", "max_staleness"):
+    for key in ("max_groups_in_flight", "max_staleness"):
         del tree["rollout"][key]
     for key in ("lr_schedule", "warmup_steps", "min_lr_ratio", "total_steps"):
         del tree["trainer"]["optimizer"][key]
@@ -131,3 +105,16 @@ def test_a_checkpoint_from_before_a_knob_existed_resumes_at_its_default(tmp_path
         check_config_drift(composed(*SMALL, "rollout.max_groups_in_flight=8"), tmp_path)
     with pytest.raises(ValueError, match="algo.ppo_epochs: 1 in the checkpoint, 2 now"):
         check_config_drift(composed(*SMALL, "algo.ppo_epochs=2"), tmp_path)
+
+
+def test_task_params_are_stored_complete_and_compared_at_the_constructors_defaults(tmp_path):
+    """The stored config lists every task keyword (a constructor default the YAML leaves out is what
+    the run ran with); a stored config that lists only some is compared at today's defaults."""
+    cfg = composed(*SMALL)
+    tree = resolved_config(cfg)
+    assert tree["task"] == {"name": "majority_digit", "params": {"length": 3, "format_reward": 0.1, "max_turns": 1}}
+    tree["task"]["params"] = {"length": 3}
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(tree))
+    check_config_drift(cfg, tmp_path)
+    with pytest.raises(ValueError, match="task.params.format_reward: 0.1 in the checkpoint, 0.2 now"):
+        check_config_drift(composed(*SMALL, "+task.params.format_reward=0.2"), tmp_path)

@@ -88,7 +88,7 @@ for name, cls in (("test_sleepy", Sleepy), ("test_async_sleepy", AsyncSleepy), (
 
 def driver(task: str, env: EnvConfig, groups: int = 4, **config) -> RolloutDriver:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15)
-    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=96, show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, 96, max_model_len=128))
     d = RolloutDriver(engine, ByteTokenizer(), task, {}, DriverConfig(groups_per_iteration=groups, max_new_tokens=3,
                                                                         **config), group_size=4, seed=3, env=env)
     d.sampling["temperature"] = 0.0  # greedy: the inline and threaded runs must give the same trajectories
@@ -150,8 +150,8 @@ def test_slow_tools_run_behind_generation_with_the_same_trajectories():
 def test_later_turns_hit_the_prefix_cache_when_tools_run_on_workers():
     SLEEP["s"] = 0.05
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=7, std=0.15)
-    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=96, show_progress=False,
-                                        prefix_cache=PrefixCacheConfig(hash_block=4, model_id="tiny")))
+    engine = Engine(model, EngineConfig.for_pages(model, 96, max_model_len=128,
+                                                  prefix_cache=PrefixCacheConfig(hash_block=4, model_id="tiny")))
     d = RolloutDriver(engine, ByteTokenizer(), "test_sleepy", {}, DriverConfig(groups_per_iteration=2, max_new_tokens=3),
                       group_size=4, seed=3, env=EnvConfig(workers=8))
     engine.load_weights(engine.model.state_dict(), version=1)

@@ -66,7 +66,7 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
     with pytest.raises(ValueError) as err:
         composed("engine.max_model_len=131072")
     message = str(err.value)
-    for words in (f"engine.pool_mb={cfg.engine.pool_mb} holds {(cfg.engine.pool_mb << 20) // layout.page_bytes} pages",
+    for words in (f"engine.pool_mb={cfg.engine.pool_mb} holds {cfg.engine.pool_bytes // layout.page_bytes} pages",
                   "engine.max_model_len=131072", f"needs {needed} pages", f"engine.pool_mb >= {mb}"):
         assert words in message, message
     with pytest.raises(ValueError, match=f"needs {needed} pages"):
@@ -77,14 +77,13 @@ def test_a_128k_context_is_configuration_with_a_pool_to_match():
 
     # The engine rl/train.py builds from that config accepts it and admits up to max_model_len - 1 tokens.
     model = HybridLM(big.model)
-    engine = Engine(model, EngineConfig(max_model_len=big.engine.max_model_len, pool_mb=big.engine.pool_mb,
-                                        show_progress=False))
+    engine = Engine(model, EngineConfig(max_model_len=big.engine.max_model_len, pool_mb=big.engine.pool_mb))
     assert engine.layout == big.cache_layout and engine.pool.num_pages >= needed
     engine.check_context(131071)
     with pytest.raises(ContextTooLong, match="prompt of 131072 tokens does not fit max_model_len=131072"):
         engine.check_context(131072)
     with pytest.raises(ValueError, match="cannot hold one sequence of 131072 tokens"):
-        Engine(model, EngineConfig(max_model_len=131072, pool_mb=mb - 1, show_progress=False))
+        Engine(model, EngineConfig(max_model_len=131072, pool_mb=mb - 1))
 
 
 @pytest.mark.parametrize("overrides, build_engine", [
@@ -101,7 +100,7 @@ def test_the_configs_page_math_is_the_engines_and_the_planners(overrides, build_
     assert [layout.sequence_pages(n) for n in lengths] == by_hand
     if build_engine:
         model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
-        engine = Engine(model, EngineConfig(kda_state_dtype=cfg.engine.kda_state_dtype, show_progress=False,
+        engine = Engine(model, EngineConfig(kda_state_dtype=cfg.engine.kda_state_dtype,
                                             pool_mb=cfg.engine.pool_mb, prefix_cache=cfg.engine.prefix_cache))
         assert engine.layout == layout
         assert [engine.cache.pages_for_tokens(n) for n in lengths] == by_hand
@@ -141,7 +140,7 @@ def test_a_run_drops_the_group_whose_prompt_is_too_long_and_trains_the_others(tm
 
 def test_a_later_turn_that_outgrows_max_model_len_drops_that_trajectory_and_skips_an_empty_group():
     model = HybridLM(composed().model).init_weights(seed=0, std=0.1)
-    engine = Engine(model, EngineConfig(max_model_len=48, num_pages=64, show_progress=False, check_every_step=True))
+    engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=48, check_every_step=True))
     long_group = 2
     driver = RolloutDriver(engine, ByteTokenizer(), "test_long_second_turn", {"long_seed": mix_seed(1, long_group)},
                            DriverConfig(groups_per_iteration=4, max_new_tokens=4), group_size=3, seed=1)

@@ -28,7 +28,7 @@ def oracle(conversation: str) -> str:
 
 
 def test_reset_is_deterministic_per_seed_and_draws_a_valid_table():
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
     prompts = set()
     for seed in range(50):
         prompt = env.reset(seed)
@@ -42,7 +42,7 @@ def test_reset_is_deterministic_per_seed_and_draws_a_valid_table():
 
 
 def test_oracle_scores_one():
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
     for seed in range(50):
         total, conversation = run_episode(env, seed, oracle)
         assert total == 1.0
@@ -51,7 +51,7 @@ def test_oracle_scores_one():
 
 
 def test_wrong_existing_key_then_observed_value_scores_call_reward():
-    env = make_task("key_lookup", call_reward=0.3)
+    env = make_task("key_lookup", brackets=True, call_reward=0.3)
     for seed in range(50):
         env.reset(seed)
         other = next(k for k in env.table if k != env.query)
@@ -63,7 +63,7 @@ def test_wrong_existing_key_then_observed_value_scores_call_reward():
 
 
 def test_right_call_then_wrong_digit_scores_call_reward():
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
     env.reset(3)
     env.step(f"[{env.query}]")
     wrong = next(d for d in "123456789" if int(d) != env.table[env.query])
@@ -71,7 +71,7 @@ def test_right_call_then_wrong_digit_scores_call_reward():
 
 
 def test_observation_is_the_value_of_the_key_called():
-    env = make_task("key_lookup", num_keys=26)
+    env = make_task("key_lookup", brackets=True, num_keys=26)
     for key in string.ascii_lowercase:
         env.reset(11)
         assert env.step(f"[{key}]xyz").observation == f"={env.table[key]};"
@@ -79,7 +79,7 @@ def test_observation_is_the_value_of_the_key_called():
 
 @pytest.mark.parametrize("answer", ["", "[", "[c", "c]", "(c)", "[C]", "[cc]", " [c]", "[1]"])
 def test_malformed_call_ends_the_episode_with_zero(answer):
-    env = make_task("key_lookup", num_keys=1)
+    env = make_task("key_lookup", brackets=True, num_keys=1)
     seed = next(s for s in range(1000) if env.reset(s) == "get c:")  # the table is {c: value}
     env.reset(seed)
     result = env.step(answer)
@@ -87,7 +87,7 @@ def test_malformed_call_ends_the_episode_with_zero(answer):
 
 
 def test_call_for_a_key_not_in_the_table_ends_with_zero():
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
     env.reset(7)
     absent = next(k for k in string.ascii_lowercase if k not in env.table)
     result = env.step(f"[{absent}]")
@@ -96,7 +96,7 @@ def test_call_for_a_key_not_in_the_table_ends_with_zero():
 
 def test_random_bytes_policy_scores_about_zero():
     rng = random.Random(0)
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
 
     def random_policy(_conversation: str) -> str:
         return bytes(rng.randrange(256) for _ in range(8)).decode("utf-8", errors="replace")
@@ -106,7 +106,7 @@ def test_random_bytes_policy_scores_about_zero():
 
 
 def test_step_outside_an_episode_raises():
-    env = make_task("key_lookup")
+    env = make_task("key_lookup", brackets=True)
     with pytest.raises(RuntimeError, match="before reset"):
         env.step("[a]")
     env.reset(0)

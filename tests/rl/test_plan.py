@@ -141,10 +141,10 @@ def test_the_longest_context_is_the_one_the_engine_accepts():
     plan = make_plan(cfg, CPU)
     longest = plan.longest_context(plan.sizes.pool_pages)
     model = HybridLM(cfg.model)
-    engine = Engine(model, EngineConfig(max_model_len=longest, pool_mb=1, show_progress=False))
+    engine = Engine(model, EngineConfig(max_model_len=longest, pool_mb=1))
     assert engine.pool.num_pages == plan.sizes.pool_pages and engine.layout == plan.sizes.layout
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        Engine(model, EngineConfig(max_model_len=longest + 1, pool_mb=1, show_progress=False))
+        Engine(model, EngineConfig(max_model_len=longest + 1, pool_mb=1))
 
 
 def printed(argv: list[str]) -> tuple[int, str]:

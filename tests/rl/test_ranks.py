@@ -91,7 +91,7 @@ def test_every_metric_a_run_with_every_mechanism_logs_has_a_merge_rule(tmp_path)
 
 def _driver(rank: int, world: int) -> RolloutDriver:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1)
-    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=128))
     return RolloutDriver(engine, ByteTokenizer(), "majority_digit", {},
                          DriverConfig(groups_per_iteration=5, max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0),
                          group_size=4, seed=11, rank=rank, world=world)

@@ -48,7 +48,7 @@ def test_driver_renders_prompts_continues_turns_and_stops_on_stop_ids(tmp_path):
         model.model.norm.weight[0] = 1.0
         model.lm_head.weight.zero_()
         model.lm_head.weight[IM_END, 0], model.lm_head.weight[END_OF_TEXT, 0] = 1000.0, -1000.0
-    engine = Engine(model, EngineConfig(max_model_len=256, num_pages=64, show_progress=False, check_every_step=True))
+    engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=256, check_every_step=True))
     stop_ids_seen = set()
     add = engine.add_request
 

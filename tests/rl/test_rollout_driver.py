@@ -54,8 +54,8 @@ if "test_two_turns" not in TASKS:
 
 def engine(**config) -> Engine:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1)
-    return Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False, check_every_step=True,
-                                      **config))
+    return Engine(model, EngineConfig.for_pages(model, 64, max_model_len=128, check_every_step=True,
+                                                **config))
 
 
 def driver(task="majority_digit", params=None, **kw) -> RolloutDriver:

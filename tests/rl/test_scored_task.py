@@ -70,7 +70,7 @@ def test_tasks_by_import_path():
 
 def engine() -> Engine:
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=0, std=0.1)
-    e = Engine(model, EngineConfig(max_model_len=128, num_pages=64, show_progress=False, check_every_step=True))
+    e = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=128, check_every_step=True))
     e.load_weights(e.model.state_dict(), version=1)
     return e
 

@@ -1,11 +1,10 @@
 """The run's `tokenizer` group: a local tokenizer directory with a chat template drives an
-RL run; the old `task.tokenizer` key still works with a warning; a tokenizer larger than the model's
-vocabulary and a directory that needs remote code are refused before anything is written."""
+RL run; a tokenizer larger than the model's vocabulary and a directory that needs remote code are
+refused before anything is written."""
 import json
 
 import pytest
 
-from rl.config import DeprecatedKeyWarning, upgrade_stored_config
 from rl.train import run
 from tests.rl.test_config import composed
 from tests.tokenizer_dirs import build_bpe_tokenizer, build_remote_code_dir
@@ -20,15 +19,6 @@ def test_a_chat_tokenizer_directory_runs_an_iteration(tmp_path):
     assert len(history) == 1
     stored = json.loads(next((tmp_path / "run" / "checkpoints").glob("iter_*/run_config.json")).read_text())
     assert stored["tokenizer"]["path"] == str(tok) and "tokenizer" not in stored["task"]
-
-
-def test_the_old_task_tokenizer_key_and_stored_configs_still_work():
-    with pytest.warns(DeprecatedKeyWarning, match="tokenizer.path"):
-        cfg = composed("task.tokenizer=byte")
-    assert cfg.tokenizer.path == "byte"
-    tree = upgrade_stored_config({"task": {"name": "majority_digit", "params": {}, "tokenizer": "byte"},
-                                  "engine": {}})
-    assert tree["tokenizer"] == {"path": "byte"} and "tokenizer" not in tree["task"]
 
 
 def test_a_tokenizer_too_large_or_needing_remote_code_is_refused(tmp_path):

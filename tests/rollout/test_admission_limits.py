@@ -25,8 +25,8 @@ def snapshot(engine: Engine) -> dict:
 
 
 def test_a_prompt_over_max_model_len_is_refused_with_its_numbers_and_changes_nothing(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=16, max_model_len=40, show_progress=False,
-                                             check_every_step=True))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 16, max_model_len=40,
+                                                       check_every_step=True))
     layout = engine.layout
     running = engine.add_request(list(range(1, 31)), SamplingParams(max_new_tokens=5, **GREEDY))
     paused = engine.add_request(list(range(2, 12)), SamplingParams(max_new_tokens=3, n=2, **GREEDY))
@@ -66,7 +66,7 @@ def test_a_prompt_over_max_model_len_is_refused_with_its_numbers_and_changes_not
 
 
 def test_a_prompt_the_pool_could_not_hold_names_the_pool_that_would(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=16, max_model_len=40, show_progress=False))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 16, max_model_len=40))
     layout, prompt_len = engine.layout, 5000
     needed = len(layout.kda_groups) + len(layout.mla_groups) * math.ceil((prompt_len + 1) / layout.block_tokens)
     mb = math.ceil(needed * layout.page_bytes / (1 << 20))
@@ -78,21 +78,21 @@ def test_a_prompt_the_pool_could_not_hold_names_the_pool_that_would(tiny_model):
                   f">= {prompt_len + 1}", f"pool to >= {mb} MiB (engine.pool_mb)"):
         assert words in message, message
     # the figure is the smallest pool, in whole MiB, an engine of that max_model_len is built with
-    Engine(tiny_model, EngineConfig(pool_mb=mb, max_model_len=prompt_len + 1, show_progress=False))
+    Engine(tiny_model, EngineConfig(pool_mb=mb, max_model_len=prompt_len + 1))
     with pytest.raises(ValueError, match=f"cannot hold one sequence of {prompt_len + 1} tokens"):
-        Engine(tiny_model, EngineConfig(pool_mb=mb - 1, max_model_len=prompt_len + 1, show_progress=False))
+        Engine(tiny_model, EngineConfig(pool_mb=mb - 1, max_model_len=prompt_len + 1))
 
 
 @pytest.mark.parametrize("max_model_len", [17, 24])
 def test_what_the_smallest_accepted_pool_admits_runs_to_max_model_len(tiny_model, max_model_len):
     """The engine refuses only by length: a pool of exactly one max_model_len sequence runs a
     forked request whose samples grow to max_model_len (forks wait their turn, nothing is refused)."""
-    cfg = dict(max_model_len=max_model_len, block_tokens=8, show_progress=False, check_every_step=True)
-    probe = Engine(tiny_model, EngineConfig(num_pages=64, **cfg))
+    cfg = dict(max_model_len=max_model_len, block_tokens=8, check_every_step=True)
+    probe = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 64, **cfg))
     pages = probe.cache.pages_for_tokens(max_model_len)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        Engine(tiny_model, EngineConfig(num_pages=pages - 1, **cfg))
-    engine = Engine(tiny_model, EngineConfig(num_pages=pages, **cfg))
+        Engine(tiny_model, EngineConfig.for_pages(tiny_model, pages - 1, **cfg))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, pages, **cfg))
     prompt = list(range(5, 5 + max_model_len - 6))
     out = engine.generate([prompt], SamplingParams(max_new_tokens=100, n=2, **GREEDY))[0]
     reference = greedy_reference(tiny_model, prompt, 6)[0]
@@ -103,8 +103,8 @@ def test_what_the_smallest_accepted_pool_admits_runs_to_max_model_len(tiny_model
 
 
 def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=128, max_num_batched_tokens=16,
-                                             show_progress=False, check_every_step=True))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 32, max_model_len=128, max_num_batched_tokens=16,
+                                                       check_every_step=True))
     prompt = list(range(7, 57))  # 50 tokens > 16
     engine.add_request(prompt, SamplingParams(max_new_tokens=4, **GREEDY))
     per_step, outputs = [], []

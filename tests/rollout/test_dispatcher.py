@@ -25,8 +25,8 @@ def test_auto_limit_grows_holds_and_backs_off():
 
 @pytest.mark.parametrize("max_concurrency", [None, 1, 3])
 def test_multi_turn_follow_ups_complete_with_the_plain_models_tokens(tiny_model, max_concurrency):
-    engine = Engine(tiny_model, EngineConfig(num_pages=24, max_model_len=96, show_progress=False,
-                                             check_every_step=True))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 24, max_model_len=96,
+                                                       check_every_step=True))
     dispatcher = Dispatcher(engine, ThrottleConfig(max_concurrency=max_concurrency))
     params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
     peak = []
@@ -50,9 +50,9 @@ def test_multi_turn_follow_ups_complete_with_the_plain_models_tokens(tiny_model,
 
 
 def cached_engine(model, num_pages: int) -> Engine:
-    return Engine(model, EngineConfig(num_pages=num_pages, max_model_len=160, show_progress=False,
-                                      check_every_step=True,
-                                      prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))
+    return Engine(model, EngineConfig.for_pages(model, num_pages, max_model_len=160,
+                                                check_every_step=True,
+                                                prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))
 
 
 def test_the_engine_reports_the_pages_only_the_prefix_cache_holds(tiny_model):

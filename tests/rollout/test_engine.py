@@ -16,8 +16,8 @@ def make_prompts(num: int, seed: int, lo: int = 1, hi: int = 150) -> list[list[i
 def test_greedy_batch_with_chunked_prefill_and_preemption_equals_plain_model(tiny_model):
     prompts = make_prompts(32, seed=0)
     num_new = 12
-    engine = Engine(tiny_model, EngineConfig(num_pages=24, max_model_len=256, max_num_batched_tokens=48,
-                                             check_every_step=True, show_progress=False))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 24, max_model_len=256, max_num_batched_tokens=48,
+                                                       check_every_step=True))
     assert max(map(len, prompts)) > 48  # prompts longer than a step's budget: chunked prefill
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=num_new, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for all 32 at once"
@@ -39,8 +39,8 @@ def test_parallel_sampling_shares_prompt_pages_and_matches_independent_requests(
     prompt = make_prompts(1, seed=1, lo=2000, hi=2001)[0]
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=123, n=8, ignore_eos=True)
     # A budget that admits all 8 independent prompts in one step, so both runs hold 8 live samples.
-    cfg = EngineConfig(num_pages=400, max_model_len=2100, max_num_batched_tokens=16384, show_progress=False,
-                       check_every_step=True)
+    cfg = EngineConfig.for_pages(tiny_model, 400, max_model_len=2100, max_num_batched_tokens=16384,
+                                 check_every_step=True)
     forked = Engine(tiny_model, cfg)
     (out,) = forked.generate([prompt], params)
     independent = Engine(tiny_model, cfg)
@@ -61,8 +61,8 @@ def test_parallel_sampling_shares_prompt_pages_and_matches_independent_requests(
 
 
 def test_aborting_one_fork_request_leaves_others_running(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=256, show_progress=False,
-                                             check_every_step=True))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 64, max_model_len=256,
+                                                       check_every_step=True))
     a = engine.add_request(list(range(40)), SamplingParams(temperature=1.0, n=4, max_new_tokens=20, seed=5,
                                                             ignore_eos=True))
     b = engine.add_request(list(range(30)), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
@@ -78,7 +78,7 @@ def test_aborting_one_fork_request_leaves_others_running(tiny_model):
 
 
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=64, show_progress=False))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 32, max_model_len=64))
     good = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
     with pytest.raises(ValueError, match="prompt of 64 tokens does not fit max_model_len=64"):
         engine.add_request(list(range(64)))
@@ -100,7 +100,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(tiny_model):
 
 
 def test_generation_stops_at_max_model_len_and_eos(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=20, show_progress=False))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 32, max_model_len=20))
     (out,) = engine.generate([list(range(15))], SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))
     assert len(out.samples[0].tokens) == 5 and out.samples[0].finish_reason == "length"
     first = greedy_reference(tiny_model, [7, 8, 9], 1)[0][0]
@@ -123,7 +123,7 @@ def test_stop_strings_end_generation_at_the_token_that_completes_them(tiny_model
         stop = text[5:8]  # a 3-letter stop string: generation ends at its first completion
         end = text.index(stop) + len(stop)
         expected.append((stop, tokens[:end]))
-    engine = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=64, show_progress=False),
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 64, max_model_len=64),
                     detokenize=detokenize)
     outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True,
                                                     stop_strings=(stop, "zz")) for stop, _ in expected])
@@ -137,7 +137,7 @@ def test_stop_strings_end_generation_at_the_token_that_completes_them(tiny_model
                                                           stop_strings=(across,)))
     assert len(out.samples[0].tokens) == 4 and out.samples[0].finish_reason == "length"
     with pytest.raises(ValueError, match="stop_strings=\\['x'\\] need text"):
-        Engine(tiny_model, EngineConfig(num_pages=16, max_model_len=64, show_progress=False)).add_request(
+        Engine(tiny_model, EngineConfig.for_pages(tiny_model, 16, max_model_len=64)).add_request(
             [1, 2], SamplingParams(stop_strings=("x",)))
     with pytest.raises(ValueError, match="stop_strings=.*expected non-empty strings"):
         SamplingParams(stop_strings=("",))
@@ -145,8 +145,8 @@ def test_stop_strings_end_generation_at_the_token_that_completes_them(tiny_model
 
 
 def test_pause_resume_sleep_wake_and_weight_update(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=128, show_progress=False,
-                                             check_every_step=True))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 32, max_model_len=128,
+                                                       check_every_step=True))
     prompt = list(range(50, 90))
     rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     for _ in range(4):
@@ -176,10 +176,10 @@ def test_fork_without_room_for_copies_recomputes_each_sample(tiny_model):
     """A pool that holds the prompt once but not 8 private copies: the samples are recomputed
     one by one instead, with the same tokens as independent seeded requests."""
     prompt = list(range(100, 110))
-    cfg = EngineConfig(num_pages=10, max_model_len=32, show_progress=False, check_every_step=True)
+    cfg = EngineConfig.for_pages(tiny_model, 10, max_model_len=32, check_every_step=True)
     engine = Engine(tiny_model, cfg)
     pages_per_sample = engine.cache.pages_for_tokens(len(prompt) + 4)
-    assert 8 * pages_per_sample > cfg.num_pages  # no room for 8 live copies
+    assert 8 * pages_per_sample > engine.pool.num_pages  # no room for 8 live copies
     (out,) = engine.generate([prompt], SamplingParams(temperature=1.0, n=8, seed=9, max_new_tokens=4,
                                                       ignore_eos=True))
     singles = Engine(tiny_model, cfg).generate([prompt] * 8, [SamplingParams(temperature=1.0, seed=9 + i,
@@ -198,7 +198,7 @@ def test_a_kda_only_model_runs_without_mla_pages():
     cfg = dataclasses.replace(load_model_config("configs/model/tiny.yaml"), num_hidden_layers=4,
                               layer_types=hybrid_layer_types(4, "K"), mlp_layer_types=["dense"] * 4)
     model = HybridLM(cfg).init_weights(seed=1, std=0.15).eval()
-    engine = Engine(model, EngineConfig(num_pages=8, max_model_len=64, show_progress=False, check_every_step=True))
+    engine = Engine(model, EngineConfig.for_pages(model, 8, max_model_len=64, check_every_step=True))
     (out,) = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     assert out.samples[0].tokens == greedy_reference(model, [1, 2, 3, 4, 5], 6)[0]
     assert engine.pool.num_free == engine.pool.num_pages
@@ -212,11 +212,11 @@ def test_forks_that_fall_back_to_recompute_sample_what_forking_would(tiny_model,
 
     params = SamplingParams(temperature=1.0, max_new_tokens=4, n=3, seed=7, ignore_eos=True)
     prompt = list(range(10, 40))
-    forked = Engine(tiny_model, EngineConfig(num_pages=64, max_model_len=64, show_progress=False))
+    forked = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 64, max_model_len=64))
     expected = [s.tokens for s in forked.generate([prompt], params)[0].samples]
     resets = []
     reset = rollout.engine.CacheManager.reset
     monkeypatch.setattr(rollout.engine.CacheManager, "reset", lambda self, seq: (resets.append(seq), reset(self, seq)))
-    small = Engine(tiny_model, EngineConfig(num_pages=4, max_model_len=64, show_progress=False))
+    small = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 4, max_model_len=64))
     assert [s.tokens for s in small.generate([prompt], params)[0].samples] == expected
     assert resets, "the small pool was meant to refuse the forks' private pages"

@@ -62,8 +62,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_engine_names_the_device_of_every_tensor_it_creates(tiny_model, device):
     model = copy.deepcopy(tiny_model).to(device)  # the fixture is session-wide: leave it where it is
-    cfg = EngineConfig(num_pages=40, max_model_len=128, max_num_batched_tokens=24, show_progress=False,
-                       check_every_step=True, prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny"))
+    cfg = EngineConfig.for_pages(model, 40, max_model_len=128, max_num_batched_tokens=24,
+                                 check_every_step=True, prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny"))
     engine = Engine(model, cfg)
     audit = DeviceAudit(engine.pool.device, AUDITED, KNOWN)
     with audit:

@@ -18,8 +18,8 @@ def test_random_workloads_match_the_plain_model(tiny_model, data):
     budget = data.draw(st.integers(1, 96), label="budget")
     # at least one max-length sequence must fit; beyond that, any pool size (preemption covers the rest)
     num_pages = data.draw(st.integers(3 + 3, 40), label="num_pages")
-    engine = Engine(tiny_model, EngineConfig(num_pages=num_pages, max_model_len=150, max_num_batched_tokens=budget,
-                                             check_every_step=True, show_progress=False))
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, num_pages, max_model_len=150,
+                                                       max_num_batched_tokens=budget, check_every_step=True))
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
            for p, n in zip(prompts, new)]
     aborted = set(data.draw(st.sets(st.sampled_from(ids), max_size=max(0, num - 1)), label="aborted"))

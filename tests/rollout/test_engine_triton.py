@@ -17,8 +17,8 @@ def test_triton_kernels_in_the_engine_match_torch(tiny_model):
     params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
     outs = {}
     for impl in ("naive", "triton"):
-        engine = Engine(model, EngineConfig(num_pages=16, max_model_len=32, kernel_impl=impl,
-                                                 check_every_step=True, show_progress=False))
+        engine = Engine(model, EngineConfig.for_pages(model, 16, max_model_len=32, kernel_impl=impl,
+                                                           check_every_step=True))
         outs[impl] = [o.samples[0] for o in engine.generate(prompts, params)]
     assert [s.tokens for s in outs["triton"]] == [s.tokens for s in outs["naive"]]
     for a, b in zip(outs["triton"], outs["naive"]):

@@ -56,8 +56,8 @@ def test_a_suspended_pool_returns_its_lease_keeps_its_books_and_resumes_at_any_s
 
 def engine(model, ledger=None, host_pages=40, reuse_stale=False, prefix=True):
     cache = PrefixCacheConfig(hash_block=HB, model_id="tiny", reuse_stale=reuse_stale) if prefix else None
-    cfg = EngineConfig(num_pages=40, max_model_len=300, max_num_batched_tokens=64, show_progress=False,
-                       check_every_step=True, host_num_pages=host_pages, prefix_cache=cache)
+    cfg = EngineConfig.for_pages(model, 40, host_pages=host_pages, max_model_len=300, max_num_batched_tokens=64,
+                                 check_every_step=True, prefix_cache=cache)
     return Engine(model, cfg, ledger=ledger)
 
 
@@ -233,9 +233,9 @@ def perturbed(model, seed=0, scale=0.01):
 def two_iterations(models, seed, pages, host, staleness, store_dir, verify=None):
     """Random sessions: iteration 1 (version 1) runs their first two turns, the host pool crosses
     the update on NVMe, iteration 2 (version 2) runs each session's third turn."""
-    cfg = EngineConfig(num_pages=pages, max_model_len=400, max_num_batched_tokens=40, show_progress=False,
-                       check_every_step=True, host_num_pages=host,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", reuse_stale=True))
+    cfg = EngineConfig.for_pages(models[1], pages, host_pages=host, max_model_len=400, max_num_batched_tokens=40,
+                                 check_every_step=True,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", reuse_stale=True))
     eng = Engine(copy.deepcopy(models[1]), cfg)
     eng.weights_updated(1)
     system, users = sessions(num_sessions=3, turns=3, seed=seed)

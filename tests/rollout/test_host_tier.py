@@ -25,9 +25,9 @@ def page_bytes(model) -> int:
 
 
 def engine_with_host(model, num_pages=40, host_pages=40, mode="write_back", budget=256, ledger=None):
-    cfg = EngineConfig(num_pages=num_pages, max_model_len=300, max_num_batched_tokens=budget, show_progress=False,
-                       check_every_step=True, host_num_pages=host_pages,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", host_mode=mode))
+    cfg = EngineConfig.for_pages(model, num_pages, host_pages=host_pages, max_model_len=300,
+                                 max_num_batched_tokens=budget, check_every_step=True,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", host_mode=mode))
     return Engine(model, cfg, ledger=ledger)
 
 

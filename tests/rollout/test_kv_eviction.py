@@ -23,11 +23,11 @@ def prompts(lengths=(20, 70, 100, 9), seed=0):
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine(model, kv=None, **kw):
-    config = dict(max_model_len=256, show_progress=False, max_num_batched_tokens=96, check_every_step=True,
-                  block_tokens=BLOCK, kv_budget=kv)
+def engine(model, kv=None, num_pages=None, **kw):
+    config = dict(max_model_len=256, max_num_batched_tokens=96, check_every_step=True, block_tokens=BLOCK, kv_budget=kv)
     config.update(kw)
-    return Engine(model, EngineConfig(**config))
+    return Engine(model, EngineConfig(**config) if num_pages is None
+                  else EngineConfig.for_pages(model, num_pages, **config))
 
 
 def run(model, kv=None, params=GREEDY, batch=None, **kw):

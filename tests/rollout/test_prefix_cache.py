@@ -28,11 +28,10 @@ def sessions(num_sessions=4, turns=3, seed=0):
 def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, host_pages=0, **cache_options):
     """Turn by turn, all sessions interleaved (arriving in a seeded random order, a random 0-2 steps
     apart); each turn's prompt is the whole conversation so far."""
-    cfg = EngineConfig(num_pages=num_pages, max_model_len=400, max_num_batched_tokens=budget, show_progress=False,
-                       check_every_step=True,
-                       host_num_pages=host_pages,
-                       prefix_cache=(PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options)
-                                     if prefix else None))
+    cfg = EngineConfig.for_pages(model, num_pages, host_pages=host_pages, max_model_len=400,
+                                 max_num_batched_tokens=budget, check_every_step=True,
+                                 prefix_cache=(PrefixCacheConfig(hash_block=HB, model_id="tiny", **cache_options)
+                                               if prefix else None))
     engine = Engine(model, cfg)
     system, user_turns = sessions(seed=seed)
     history = [list(system) for _ in user_turns]
@@ -63,7 +62,7 @@ def run(model, prefix: bool, num_pages=60, budget=40, verify=None, seed=0, host_
 
 def uncached(model) -> Engine:
     """A plain engine (no prefix cache) to compare outputs with."""
-    return Engine(model, EngineConfig(num_pages=40, max_model_len=300, show_progress=False))
+    return Engine(model, EngineConfig.for_pages(model, 40, max_model_len=300))
 
 
 def reference(model, tokens):
@@ -171,9 +170,8 @@ def test_new_weights_never_hit_old_prefixes(tiny_model):
 def test_stale_prefixes_hit_only_when_the_reuse_option_allows_it(tiny_model):
     prompt = list(range(30, 100))
     for reuse in (False, True):
-        engine = Engine(tiny_model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False,
-                                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny",
-                                                                                reuse_stale=reuse)))
+        cache = PrefixCacheConfig(hash_block=HB, model_id="tiny", reuse_stale=reuse)
+        engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 40, max_model_len=200, prefix_cache=cache))
         engine.generate([prompt], GREEDY)
         engine.load_weights(tiny_model.state_dict(), version=1)
         before = engine.cache.prefix.hit_tokens
@@ -184,8 +182,8 @@ def test_stale_prefixes_hit_only_when_the_reuse_option_allows_it(tiny_model):
 def _pinning_scenario(model, pin: bool):
     """A's prefix is cached, then an unrelated C's; the pool is full when B (A's prompt + more)
     arrives, so B's private copies need an eviction. Returns (B's tokens, expected tokens)."""
-    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=256, show_progress=False,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", pin_hits=pin))
+    cfg = EngineConfig.for_pages(model, 40, max_model_len=200, max_num_batched_tokens=256,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", pin_hits=pin))
     engine = Engine(model, cfg)
     rng = random.Random(5)
     a = [rng.randrange(256) for _ in range(100)]
@@ -197,7 +195,7 @@ def _pinning_scenario(model, pin: bool):
     filler = engine.pool.allocate(engine.pool.num_free, ("kda", 0))  # everything else is taken
     assert engine.pool.num_free == 0 and filler
     (out,) = engine.generate([b], params)
-    reference = Engine(model, EngineConfig(num_pages=40, max_model_len=200, show_progress=False))
+    reference = Engine(model, EngineConfig.for_pages(model, 40, max_model_len=200))
     (expected,) = reference.generate([b], params)
     return out.samples[0].tokens, expected.samples[0].tokens, engine
 
@@ -227,9 +225,10 @@ def test_random_sessions_budgets_and_pools(dense_tiny_model, seed, budget, pages
 def _pending_copy_scenario(model, exclude: bool):
     """A's prefill (16-token chunks) has just checkpointed at 32, its copy still pending, when B
     (A's first 32 tokens + its own) arrives. Returns (B's output, reference output, engine)."""
-    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=16, show_progress=False,
-                       check_every_step=True,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", exclude_pending=exclude))
+    cfg = EngineConfig.for_pages(model, 40, max_model_len=200, max_num_batched_tokens=16,
+                                 check_every_step=True,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny",
+                                                                exclude_pending=exclude))
     engine = Engine(model, cfg)
     rng = random.Random(7)
     a = [rng.randrange(256) for _ in range(40)]
@@ -264,9 +263,9 @@ def test_rule2_pending_copies_never_match(tiny_model):
 def _cache_one_prompt(model, atomic: bool):
     """Prefill a 40-token prompt in 16-token chunks: checkpoints at 16 (recycled once the one at 32
     exists) and 32, in each of the 3 KDA groups."""
-    cfg = EngineConfig(num_pages=40, max_model_len=200, max_num_batched_tokens=16, show_progress=False,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction="lru",
-                                                      atomic_checkpoints=atomic))
+    cfg = EngineConfig.for_pages(model, 40, max_model_len=200, max_num_batched_tokens=16,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction="lru",
+                                                                atomic_checkpoints=atomic))
     engine = Engine(model, cfg)
     prompt = [random.Random(3).randrange(256) for _ in range(40)]
     engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
@@ -294,9 +293,9 @@ def test_rule3_a_checkpoint_is_evicted_in_every_group_or_none(tiny_model):
 def _turn_then_pressure(model, eviction: str) -> tuple[int, list[int], list[int]]:
     """A conversation's first turn ends at a turn boundary; unrelated prompts then cycle the small
     pool; the second turn arrives. Returns (its hit length, its output, the no-cache output)."""
-    cfg = EngineConfig(num_pages=22, max_model_len=200, max_num_batched_tokens=256, show_progress=False,
-                       check_every_step=True,
-                       prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction=eviction))
+    cfg = EngineConfig.for_pages(model, 22, max_model_len=200, max_num_batched_tokens=256,
+                                 check_every_step=True,
+                                 prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny", eviction=eviction))
     engine = Engine(model, cfg)
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)

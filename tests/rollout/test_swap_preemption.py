@@ -23,8 +23,8 @@ def prompts(lens: list[int], seed: int) -> list[list[int]]:
 
 
 def engine(model, num_pages: int, host_pages: int = 0, **kw) -> Engine:
-    return Engine(model, EngineConfig(num_pages=num_pages, host_num_pages=host_pages, max_model_len=256,
-                                      max_num_batched_tokens=512, show_progress=False, check_every_step=True, **kw))
+    return Engine(model, EngineConfig.for_pages(model, num_pages, host_pages=host_pages, max_model_len=256,
+                                                max_num_batched_tokens=512, check_every_step=True, **kw))
 
 
 def check(eng: Engine) -> None:

@@ -144,8 +144,8 @@ FORKED = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=3, ignore_e
 def test_engine_steps_stay_within_their_sync_budgets(tiny_model, case):
     model = many_experts(tiny_model) if case == "many experts" else copy.deepcopy(tiny_model)
     prefix = PrefixCacheConfig(hash_block=16, model_id="tiny") if case.startswith("prefix") else None
-    engine = Engine(model, EngineConfig(num_pages=64, max_model_len=128, max_num_batched_tokens=24,
-                                        show_progress=False, prefix_cache=prefix))
+    engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=128, max_num_batched_tokens=24,
+                                                  prefix_cache=prefix))
     engine.generate([[2, 3]], GREEDY)  # one-time work (fused weights, kernel probes) is not per step
     shared = [(5 * i + 1) % 256 for i in range(34)]
     prompts = [shared + [3], [9, 8, 7], shared[:20] + [4, 4], [1] * 12]
@@ -181,7 +181,7 @@ def test_the_audit_catches_syncs_planted_in_an_engine_step(tiny_model):
         return forward(x)
 
     mlp.forward = planted_mlp
-    engine = Engine(model, EngineConfig(num_pages=32, max_model_len=64, show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, 32, max_model_len=64))
     run = engine.runner.run
 
     def planted_run(step, *args):

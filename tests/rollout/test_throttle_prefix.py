@@ -15,9 +15,10 @@ PARAMS = SamplingParams(temperature=0.0, max_new_tokens=ANSWER_TOKENS, ignore_eo
 
 
 def cached_engine(model, num_pages: int = 32) -> Engine:
-    return Engine(model, EngineConfig(num_pages=num_pages, max_model_len=TURNS * (USER_TOKENS + ANSWER_TOKENS) + 1,
-                                      show_progress=False, check_every_step=True,
-                                      prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))
+    return Engine(model, EngineConfig.for_pages(model, num_pages,
+                                                max_model_len=TURNS * (USER_TOKENS + ANSWER_TOKENS) + 1,
+                                                check_every_step=True,
+                                                prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))
 
 
 def user_turns() -> dict[int, list[list[int]]]:
@@ -56,8 +57,7 @@ def test_multi_turn_with_the_cache_on_grows_the_limit_without_preemptions(tiny_m
     # every page left is one only the index holds (nothing leaked by the run)
     assert engine.pool.num_used == engine.cache.num_evictable_pages
     last_turns = [o for o in outputs if len(o.prompt) > (TURNS - 1) * (USER_TOKENS + ANSWER_TOKENS)]
-    plain = Engine(tiny_model, EngineConfig(num_pages=32, max_model_len=engine.config.max_model_len,
-                                            show_progress=False))
+    plain = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 32, max_model_len=engine.config.max_model_len))
     reference = plain.generate([o.prompt for o in last_turns], PARAMS)
     assert [o.samples[0].tokens for o in last_turns] == [r.samples[0].tokens for r in reference]
 

@@ -13,8 +13,7 @@ def trainer_and_engine_logprobs(model: HybridLM) -> tuple[torch.Tensor, torch.Te
     (trainer logprobs, engine logprobs) of the sampled tokens, [num sampled] float32 each."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 40, 77)]
-    engine = Engine(model, EngineConfig(num_pages=64, max_model_len=128, max_num_batched_tokens=32,
-                                        show_progress=False))
+    engine = Engine(model, EngineConfig.for_pages(model, 64, max_model_len=128, max_num_batched_tokens=32))
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=20, seed=3, n=2,
                                                    ignore_eos=True))
     seqs, engine_logp, spans = [], [], []

@@ -5,14 +5,15 @@ lowercase letters, each with a digit value 1..9, and one queried key among them;
 never shown):
 
     prompt     "get c:"        the key to look up, then a colon
-    turn 1     "[c]"           a tool call; the answer's first 3 characters are checked
+    turn 1     "c"             a tool call, the bare key letter (its first character is checked);
+                               with brackets=True "[c]" (its first 3 characters)
     observe    "=7;"           the value of the key that was called (whichever key it was)
     turn 2     "7"             the answer's first character is checked
 
 The driver appends the policy's answer and the observation to the conversation and sends
-"get c:[c]=7;" as the second prompt. Rewards:
+"get c:c=7;" ("get c:[c]=7;" with brackets) as the second prompt. Rewards:
 
-- turn 1 is not "[" + a key of the table + "]": reward 0, the episode ends;
+- turn 1 is not a key of the table (in brackets with brackets=True): reward 0, the episode ends;
 - turn 1 is a well-formed call: reward 0, the episode continues;
 - turn 2: 1.0 if the call was for the queried key and the answer is its value, otherwise
   `call_reward` (the call was well-formed, the answer is wrong or came from another key).
@@ -49,9 +50,9 @@ class KeyLookup:
     """Reward for a well-formed call (any key of the table) followed by a wrong final answer."""
     max_turns: int = 2
     """Turn 1 calls the tool, turn 2 answers."""
-    brackets: bool = True
-    """The call syntax: "[c]" (True), or the bare key letter "c" (False: a one-character action a
-    tiny model from a random init finds by chance, used by the CPU config)."""
+    brackets: bool = False
+    """The call syntax: the bare key letter "c" (False: a one-character action a tiny model from a
+    random init finds by chance), or "[c]" (True)."""
     _table: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _query: str = field(default="", init=False, repr=False)
     _called: str = field(default="", init=False, repr=False)
