@@ -106,16 +106,15 @@ def train_step(length: int) -> tuple[int, float]:
 # ---- (b) rollout ----------------------------------------------------------------------------------
 def pages_for(model: HybridLM, tokens: int) -> int:
     """Pool pages one sequence of `tokens` tokens holds (the engine's own page math)."""
-    return Engine(model, EngineConfig(max_model_len=64, num_pages=64, show_progress=False)).cache.pages_for_tokens(tokens)
+    return Engine(model, EngineConfig.for_pages(model, 64, max_model_len=64)).cache.pages_for_tokens(tokens)
 
 
 def engine_for(model: HybridLM, max_model_len: int, pages: int | None = None, pool_tokens: int | None = None,
                prefix: PrefixCacheConfig | None = None, host_pages: int = 0) -> Engine:
     if pages is None:  # room for one sequence of pool_tokens, and a little more
         pages = pages_for(model, pool_tokens) + 4
-    return Engine(model, EngineConfig(max_model_len=max_model_len, num_pages=pages, max_num_batched_tokens=2048,
-                                      show_progress=False, prefix_cache=prefix,
-                                      host_num_pages=host_pages))
+    return Engine(model, EngineConfig.for_pages(model, pages, host_pages=host_pages, max_model_len=max_model_len, max_num_batched_tokens=2048,
+                                                prefix_cache=prefix))
 
 
 def rollout(model: HybridLM, context: int, new_tokens: int) -> dict[str, float]:
