@@ -113,8 +113,8 @@ def engine_for(model: HybridLM, max_model_len: int, pages: int | None = None, po
                prefix: PrefixCacheConfig | None = None, host_pages: int = 0) -> Engine:
     if pages is None:  # room for one sequence of pool_tokens, and a little more
         pages = pages_for(model, pool_tokens) + 4
-    return Engine(model, EngineConfig.for_pages(model, pages, host_pages=host_pages, max_model_len=max_model_len, max_num_batched_tokens=2048,
-                                                prefix_cache=prefix))
+    return Engine(model, EngineConfig.for_pages(model, pages, host_pages=host_pages, max_model_len=max_model_len,
+                                                max_num_batched_tokens=2048, prefix_cache=prefix))
 
 
 def rollout(model: HybridLM, context: int, new_tokens: int) -> dict[str, float]:
