@@ -48,10 +48,10 @@ from benchmarks.moe import measure as measure_moe
 from benchmarks.train_step import SavedTensorMeter
 from models.config import ModelConfig, load_model_config
 from rl.config import RunConfig, compose_run_config
-from rl.run.loop import LoopParts
 from rl.plan.cluster import ClusterConfig, PlanOptions
 from rl.plan.model import plan_sizes
 from rl.run.build import build
+from rl.run.loop import LoopParts
 from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 from tests.sync_audit import audit_step
