@@ -1,9 +1,9 @@
 """The NVMe store's I/O path (memory/nvme_store.py): backends, disk probes, the double-buffered stream.
 
 Backends (`NvmeStore.backend` says which one runs; the store picks one, see `NvmeStore._open_backend`):
-- "aio" (`_AioIO`): DeepSpeed's async_io handle (libaio, O_DIRECT), `async_pwrite`/`async_pread` +
+- "aio" (`AioIO`): DeepSpeed's async_io handle (libaio, O_DIRECT), `async_pwrite`/`async_pread` +
   `wait()` as deepspeed/runtime/swap_tensor does. The op is built once by JIT into $TORCH_EXTENSIONS_DIR.
-- "buffered" (`_BufferedIO`): os.pwrite/os.preadv through the page cache on one worker thread; same
+- "buffered" (`BufferedIO`): os.pwrite/os.preadv through the page cache on one worker thread; same
   file format.
 Both own two staging buffers of `chunk_bytes` (page-locked, from DeepSpeed's pin manager, for aio)
 and have at most one transfer in flight (`submit`, then `wait`).
@@ -11,12 +11,12 @@ and have at most one transfer in flight (`submit`, then `wait`).
 DeepSpeed's aio never reads the completion status of a request (csrc/aio/common/
 deepspeed_aio_common.cpp, `_do_io_complete`) and asserts (aborting the process) on a short file
 or a failed submit. So the store checks everything it can in Python first: free space
-(`_free_bytes`, statvfs), then posix_fallocate of the whole temp file (`_reserve`), so ENOSPC /
+(`free_bytes`, statvfs), then posix_fallocate of the whole temp file (`reserve`), so ENOSPC /
 EFBIG (RLIMIT_FSIZE) surface there as a clean error before any data moves; file sizes before every
 read; and it never returns data whose checksums it has not verified, which also covers an I/O
 error aio did not report.
 
-Data path (`_write_data`, `_read_data`): spill fills one staging buffer (copy + checksum, in
+Data path (`write_data`, `read_data`): spill fills one staging buffer (copy + checksum, in
 `_PIECE_BYTES` pieces so the checksum reads cache-hot bytes) while the other is being written;
 restore reads chunk k+1 while checksumming and copying chunk k out. Bytes move with numpy.copyto:
 torch's copy_ of a 4 MiB slice cost ~10 ms here (two OpenMP threads on two cores; 0.3 GiB/s
@@ -34,18 +34,18 @@ import numpy as np
 import torch
 
 from kernels.jit import announce_build
-from memory.spill_format import CorruptSpill, Manifest, _chunks, _new_hasher
+from memory.spill_format import CorruptSpill, Manifest, spill_chunks, new_hasher
 
 _PIECE_BYTES = 4 << 20  # copy+checksum granularity inside a chunk (stays in L2/L3)
 
 
 # ---- disk checks (before any data moves) --------------------------------------------------------
-def _free_bytes(directory: Path) -> int:
+def free_bytes(directory: Path) -> int:
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
 
 
-def _reserve(fd: int, num_bytes: int) -> None:
+def reserve(fd: int, num_bytes: int) -> None:
     """Allocate every byte of the file up front: aio does not report a failed write (module docstring)."""
     os.posix_fallocate(fd, 0, num_bytes)
 
@@ -68,7 +68,7 @@ def load_aio_op():
     return _AIO_MODULE
 
 
-def _odirect_supported(directory: Path) -> bool:
+def odirect_supported(directory: Path) -> bool:
     probe = directory / f".odirect-probe-{os.getpid()}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
@@ -81,7 +81,7 @@ def _odirect_supported(directory: Path) -> bool:
     return True
 
 
-def _can_lock(num_bytes: int) -> bool:
+def can_lock(num_bytes: int) -> bool:
     """Whether num_bytes can be page-locked (DeepSpeed's pin manager aborts the process if not)."""
     libc = ctypes.CDLL(None, use_errno=True)
     buf = torch.empty(num_bytes, dtype=torch.uint8)
@@ -92,12 +92,12 @@ def _can_lock(num_bytes: int) -> bool:
     return True
 
 
-def _close_backend(io) -> None:
+def close_backend(io) -> None:
     if io.staging or getattr(io, "handle", None) is not None:
         io.close()
 
 
-class _AioIO:
+class AioIO:
     """DeepSpeed aio handle + two page-locked staging buffers. One transfer in flight at a time."""
 
     name = "aio"
@@ -133,7 +133,7 @@ class _AioIO:
         self.handle = None
 
 
-class _BufferedIO:
+class BufferedIO:
     """os.pwrite/os.preadv on one worker thread (they release the GIL), same pipeline as aio."""
 
     name = "buffered"
@@ -175,21 +175,21 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _drain_quietly(io: _AioIO | _BufferedIO) -> None:
+def drain_quietly(io: AioIO | BufferedIO) -> None:
     try:
         io.wait()
     except OSError:
         pass  # the first error is the one reported
 
 
-def _write_data(io: _AioIO | _BufferedIO, plan: Manifest, tensors: dict[str, torch.Tensor], path: Path, fd: int,
+def write_data(io: AioIO | BufferedIO, plan: Manifest, tensors: dict[str, torch.Tensor], path: Path, fd: int,
                 chunk_bytes: int) -> list[int]:
     """Stream `tensors` into the data region of `fd` as `plan` lays it out; returns their checksums."""
     srcs = [_byte_view(t).numpy() for t in tensors.values()]
-    hashers = [_new_hasher(plan.checksum) for _ in plan.entries]
+    hashers = [new_hasher(plan.checksum) for _ in plan.entries]
     staging = io.staging
     np_staging = [s.numpy() for s in staging]
-    for k, chunk in enumerate(_chunks(plan, chunk_bytes)):
+    for k, chunk in enumerate(spill_chunks(plan, chunk_bytes)):
         buf = np_staging[k % 2]  # the other buffer may still be in flight
         cursor = 0
         for i, src_off, off, n in chunk.pieces:
@@ -206,14 +206,14 @@ def _write_data(io: _AioIO | _BufferedIO, plan: Manifest, tensors: dict[str, tor
     return [h.intdigest() for h in hashers]
 
 
-def _read_data(io: _AioIO | _BufferedIO, m: Manifest, dst: list[torch.Tensor], path: Path, chunk_bytes: int) -> None:
+def read_data(io: AioIO | BufferedIO, m: Manifest, dst: list[torch.Tensor], path: Path, chunk_bytes: int) -> None:
     """Stream the data region of `path` into `dst` (one contiguous CPU tensor per entry), verifying
     every checksum; raises CorruptSpill (then `dst` contents are undefined)."""
     dsts = [_byte_view(t).numpy() for t in dst]
-    hashers = [_new_hasher(m.checksum) for _ in m.entries]
+    hashers = [new_hasher(m.checksum) for _ in m.entries]
     staging = io.staging
     np_staging = [s.numpy() for s in staging]
-    chunks = _chunks(m, chunk_bytes)
+    chunks = spill_chunks(m, chunk_bytes)
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size != m.file_bytes:  # re-checked here: aio asserts on a short file
@@ -232,10 +232,10 @@ def _read_data(io: _AioIO | _BufferedIO, m: Manifest, dst: list[torch.Tensor], p
                     hashers[i].update(buf[off + p:off + p + q])
                     np.copyto(dsts[i][dst_off + p:dst_off + p + q], buf[off + p:off + p + q])  # cache-hot
     except OSError as e:
-        _drain_quietly(io)
+        drain_quietly(io)
         raise CorruptSpill(f"nvme store: reading {path} failed: {e}", path=path) from e
     except BaseException:
-        _drain_quietly(io)
+        drain_quietly(io)
         raise
     finally:
         os.close(fd)

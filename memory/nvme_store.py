@@ -60,12 +60,12 @@ import torch
 
 # Imported by name on purpose: NvmeStore calls the probes and disk checks through this module's
 # globals, which is where tests patch them (tests/memory/test_nvme_store.py); the tests also reach
-# the layout and chunk plan (`_plan`, `_chunks`) through here.
-from memory.nvme_io import (_AioIO, _BufferedIO, _can_lock, _close_backend, _drain_quietly, _free_bytes,
-                            _odirect_supported, _read_data, _reserve, _write_data, load_aio_op)
+# the layout and chunk plan (`spill_layout`, `spill_chunks`) through here.
+from memory.nvme_io import (AioIO, BufferedIO, can_lock, close_backend, drain_quietly, free_bytes,
+                            odirect_supported, read_data, reserve, write_data, load_aio_op)
 from memory.spill_format import (CHECKSUMS, FILE_ALIGN, FORMAT_VERSION, IO_ALIGN, MAGIC, TENSOR_ALIGN, CorruptSpill,
-                                 Manifest, TensorEntry, _header_bytes, _plan, read_manifest, xxhash)
-from memory.spill_format import _chunks  # noqa: F401 - re-exported for the tests
+                                 Manifest, TensorEntry, spill_header_bytes, spill_layout, read_manifest, xxhash)
+from memory.spill_format import spill_chunks  # noqa: F401 - re-exported for the tests
 
 __all__ = ["BACKENDS", "CHECKSUMS", "FILE_ALIGN", "FORMAT_VERSION", "IO_ALIGN", "MAGIC", "TENSOR_ALIGN", "CorruptSpill",
            "Manifest", "NvmeStore", "NvmeStoreConfig", "SpillDirLocked", "SpillError", "SpillRecord", "TensorEntry",
@@ -188,7 +188,7 @@ class NvmeStore:
             _announce("the xxhash package is missing: spill checksums fall back to crc32 (~3x slower)")
         self._io = self._open_backend(config)
         # Closed at the latest at interpreter exit (atexit), while the runtime is still whole.
-        self._finalizer = weakref.finalize(self, _close_backend, self._io)
+        self._finalizer = weakref.finalize(self, close_backend, self._io)
         try:
             lock_fd = _lock_directory(self.directory, owner)
         except SpillDirLocked:
@@ -212,25 +212,25 @@ class NvmeStore:
                 print(f"[nvme_store] WARNING: {e}", file=sys.stderr)
                 self._records[name] = SpillRecord(name, f, "unknown", -1, -1, f.stat().st_size, 0.0)
 
-    def _open_backend(self, cfg: NvmeStoreConfig) -> _AioIO | _BufferedIO:
+    def _open_backend(self, cfg: NvmeStoreConfig) -> AioIO | BufferedIO:
         if cfg.backend == "buffered":
-            return _BufferedIO(cfg.chunk_bytes)
+            return BufferedIO(cfg.chunk_bytes)
         reason = None
         try:
             load_aio_op()
         except Exception as e:  # any build/load failure: the op is unusable here
             reason = f"DeepSpeed's async_io op could not be loaded: {type(e).__name__}: {e}"
-        if reason is None and not _odirect_supported(self.directory):
+        if reason is None and not odirect_supported(self.directory):
             reason = f"{self.directory} does not support O_DIRECT (tmpfs?)"
-        if reason is None and not _can_lock(2 * cfg.chunk_bytes):
+        if reason is None and not can_lock(2 * cfg.chunk_bytes):
             reason = (f"cannot page-lock 2 x {cfg.chunk_bytes} staging bytes (RLIMIT_MEMLOCK; "
                       "`ulimit -l`, or a smaller chunk_bytes)")
         if reason is None:
-            return _AioIO(cfg.chunk_bytes, block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads)
+            return AioIO(cfg.chunk_bytes, block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads)
         if cfg.backend == "aio":
             raise RuntimeError(f"nvme store: backend='aio' requested but {reason}")
         _announce(f"nvme store falls back to buffered I/O (page cache, slower) for {self.directory}: {reason}")
-        return _BufferedIO(cfg.chunk_bytes)
+        return BufferedIO(cfg.chunk_bytes)
 
     @property
     def backend(self) -> str:
@@ -282,9 +282,9 @@ class NvmeStore:
 
     def _spill_locked(self, name: str, tensors: dict[str, torch.Tensor]) -> SpillRecord:
         t0 = time.perf_counter()
-        plan = _plan(name, tensors, self.config.checksum)
+        plan = spill_layout(name, tensors, self.config.checksum)
         final, tmp = self.path(name), self.directory / f"{name}.tmp"
-        needed, free = plan.file_bytes, _free_bytes(self.directory)
+        needed, free = plan.file_bytes, free_bytes(self.directory)
 
         def fail(why: str) -> SpillError:
             return SpillError(f"nvme store: spill of group {name!r} to {tmp} failed: {why}; it needs {needed} bytes, "
@@ -297,12 +297,12 @@ class NvmeStore:
         fd = -1
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            _reserve(fd, needed)
-            sums = _write_data(self._io, plan, tensors, tmp, fd, self.config.chunk_bytes)
+            reserve(fd, needed)
+            sums = write_data(self._io, plan, tensors, tmp, fd, self.config.chunk_bytes)
             done = Manifest(plan.group, plan.checksum, plan.data_bytes,
                             tuple(TensorEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, s)
                                   for e, s in zip(plan.entries, sums)), plan.header_bytes)
-            head = _header_bytes(done)
+            head = spill_header_bytes(done)
             if os.pwrite(fd, head, 0) != len(head):
                 raise OSError(errno.EIO, "short header write", str(tmp))
             if self.config.fsync:
@@ -311,7 +311,7 @@ class NvmeStore:
             fd = -1
             os.replace(tmp, final)
         except BaseException as e:
-            _drain_quietly(self._io)
+            drain_quietly(self._io)
             if fd >= 0:
                 os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -350,7 +350,7 @@ class NvmeStore:
             if m.group != name:
                 raise CorruptSpill(f"nvme store: {path} holds group {m.group!r}, not {name!r}", path=path)
             dst = self._destinations(name, m, out)
-            _read_data(self._io, m, dst, path, self.config.chunk_bytes)
+            read_data(self._io, m, dst, path, self.config.chunk_bytes)
             return dict(zip((e.name for e in m.entries), dst))
 
     def _destinations(self, name: str, m: Manifest, out: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:

@@ -12,8 +12,8 @@ File `<name>.spill` (all integers little-endian):
 A tensor's checksum covers exactly its bytes (xxh3_64 by default, 5 GiB/s on one core here; crc32
 if xxhash is missing, 1.6 GiB/s); the manifest's crc32 covers the manifest.
 
-`_plan` lays a group out (checksums still zero), `_header_bytes` encodes the header once the
-checksums are known, `read_manifest` parses and verifies one, and `_chunks` cuts the data region
+`spill_layout` lays a group out (checksums still zero), `spill_header_bytes` encodes the header once the
+checksums are known, `read_manifest` parses and verifies one, and `spill_chunks` cuts the data region
 into the staging-buffer-sized transfers the I/O path (memory/nvme_io.py) moves.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ class _Crc32:
         return self.value
 
 
-def _new_hasher(algo: str):
+def new_hasher(algo: str):
     if algo == "xxh3_64":
         if xxhash is None:
             raise RuntimeError("nvme store: this file's checksums are xxh3_64 and the xxhash package is missing")
@@ -126,7 +126,7 @@ def _manifest_json(m: Manifest) -> bytes:
     }, separators=(",", ":")).encode()
 
 
-def _plan(name: str, tensors: dict[str, torch.Tensor], checksum: str) -> Manifest:
+def spill_layout(name: str, tensors: dict[str, torch.Tensor], checksum: str) -> Manifest:
     """Layout of a group's file, checksums still zero (same manifest length as the final ones)."""
     entries, cursor = [], 0
     for key, t in tensors.items():
@@ -139,7 +139,7 @@ def _plan(name: str, tensors: dict[str, torch.Tensor], checksum: str) -> Manifes
     return Manifest(m.group, m.checksum, m.data_bytes, m.entries, header_bytes)
 
 
-def _header_bytes(m: Manifest) -> bytes:
+def spill_header_bytes(m: Manifest) -> bytes:
     body = _manifest_json(m)
     head = _PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
     assert len(head) <= m.header_bytes, "manifest grew after planning"
@@ -191,7 +191,7 @@ class _Chunk:
     """(entry index, offset in the tensor, offset in the chunk, bytes), in file order."""
 
 
-def _chunks(m: Manifest, chunk_bytes: int) -> list[_Chunk]:
+def spill_chunks(m: Manifest, chunk_bytes: int) -> list[_Chunk]:
     out, k = [], 0
     live = [(i, e) for i, e in enumerate(m.entries) if e.nbytes]
     for start in range(0, m.data_bytes, chunk_bytes):

@@ -19,8 +19,8 @@ from kernels.impl import check_impl, require_triton
 from kernels.kda.chunk_bwd import TRITON_KERNELS as _BWD_KERNELS
 from kernels.kda.chunk_bwd import chunk_kda_bwd
 from kernels.kda.chunk_fwd import TRITON_KERNELS as _FWD_KERNELS
-from kernels.kda.chunk_fwd import _intra_kernel, chunk_kda_fwd
-from kernels.kda.naive import _check_inputs, naive_chunk_kda
+from kernels.kda.chunk_fwd import intra_kernel, chunk_kda_fwd
+from kernels.kda.naive import check_inputs, naive_chunk_kda
 
 TRITON_KERNELS = {**_FWD_KERNELS, **_BWD_KERNELS}  # name -> @triton.jit function (tools/gpu_check.py)
 
@@ -51,7 +51,7 @@ _SAVED = ("G", "ai", "aqk", "w", "u", "qg", "kg", "v_new", "hs")
 def _chunk_kda_triton(q, k, v, g, beta, scale, initial_state, positions):
     B, T, H, K = q.shape
     V = v.shape[3]
-    require_triton(_intra_kernel, q.device)
+    require_triton(intra_kernel, q.device)
     if B == 0 or H == 0 or T == 0:
         init = (torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device) if initial_state is None
                 else initial_state.to(torch.float32).clone())
@@ -110,7 +110,7 @@ def chunk_kda(
             state_positions=state_positions,
             chunk_len=chunk_len,
         )
-    (B, T, H, K, V), positions = _check_inputs(q, k, v, g, beta, initial_state, state_positions)
+    (B, T, H, K, V), positions = check_inputs(q, k, v, g, beta, initial_state, state_positions)
     if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
         raise ValueError(f"chunk_len must be a positive int, got {chunk_len!r}")
     scale = K**-0.5 if scale is None else scale

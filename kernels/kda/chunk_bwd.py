@@ -10,7 +10,7 @@ o = Qg S0 + P v_new, S1 = e^G_last S0 + Kg^T v_new), reverse-mode gives
     dP = dO v_new^T (lower)   dQg = dO S0^T       dKg = v_new dS1^T
 
 (dA uses dT = -T^T dT_out T^T, folded: dX w^T = T^T dw X^T T^T). The pairwise-decay products of dA
-and dP with k and q (`_decay_row` / `_decay_col`, chunk_intra.py) give the row- and column-role
+and dP with k and q (`decay_row` / `decay_col`, chunk_intra.py) give the row- and column-role
 gradients; the gate gradient dG sums every term's d/dG, and dg is its reverse cumsum in the segment.
 
 Three kernels: `_dstate_kernel` (b*h, V block) walks the segments backwards (the only serial loop)
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.impl import gpu_autotune
 from kernels.kda.chunk_fwd import BC, BT
-from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile, _segment_program, _state_program
+from kernels.kda.chunk_intra import decay_col, decay_row, mm, row_tile, segment_program, state_program
 
 
 @gpu_autotune(key=["K", "V"])
@@ -34,7 +34,7 @@ from kernels.kda.chunk_intra import _decay_col, _decay_row, _mm, _row_tile, _seg
 def _dstate_kernel(do_ptr, aqk_ptr, qg_ptr, kg_ptr, w_ptr, G_ptr, seg_ptr, dfinal_ptr, dpos_ptr,
                    ds1_ptr, dvnew_ptr, dh0_ptr, NS, T, H, K, V, P,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = _state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
+    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
     dh = tl.load(dfinal_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0)  # [BK, BV] d(state after the segment)
     for i in range(NS):
         s = NS - 1 - i
@@ -45,15 +45,15 @@ def _dstate_kernel(do_ptr, aqk_ptr, qg_ptr, kg_ptr, w_ptr, G_ptr, seg_ptr, dfina
         valid = t < L
         row0 = (b * T + start) * H + h
         rows = row0 + t * H
-        dO = _row_tile(do_ptr, rows, valid, cv, vm, V)  # [BT, BV]
+        dO = row_tile(do_ptr, rows, valid, cv, vm, V)  # [BT, BV]
         A_qk = tl.load(aqk_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
-        kg = _row_tile(kg_ptr, rows, valid, c, cm, K)  # [BT, BK]
-        dv_new = _mm(tl.trans(A_qk), dO, DOT_BF16) + _mm(kg, dh, DOT_BF16)  # [BT, BV]
+        kg = row_tile(kg_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        dv_new = mm(tl.trans(A_qk), dO, DOT_BF16) + mm(kg, dh, DOT_BF16)  # [BT, BV]
         tl.store(dvnew_ptr + rows[:, None] * V + cv[None, :], dv_new, mask=valid[:, None] & vm[None, :])
         G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
-        qg = _row_tile(qg_ptr, rows, valid, c, cm, K)
-        w = _row_tile(w_ptr, rows, valid, c, cm, K)
-        dh = tl.exp(G_last)[:, None] * dh + _mm(tl.trans(qg), dO, DOT_BF16) - _mm(tl.trans(w), dv_new, DOT_BF16)
+        qg = row_tile(qg_ptr, rows, valid, c, cm, K)
+        w = row_tile(w_ptr, rows, valid, c, cm, K)
+        dh = tl.exp(G_last)[:, None] * dh + mm(tl.trans(qg), dO, DOT_BF16) - mm(tl.trans(w), dv_new, DOT_BF16)
     tl.store(dh0_ptr + bh * K * V + s_offs, dh, mask=s_mask)
 
 
@@ -75,7 +75,7 @@ def _grad_a_kernel(v_ptr, beta_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr, do_p
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
     """Per (segment, head): dA, dP ([BT, BT], to scratch), dX (to scratch), dv and the dY part of
     dbeta, looping over K and V blocks so no tile is larger than [BT, max(BK, BV)]."""
-    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    s, bh, b, h, L, t, valid, row0, rows = segment_program(seg_ptr, NS, T, H, BT)
     state = ((b * NS + s) * H + h) * K * V
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
     Ai_t = tl.trans(tl.load(ai_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0))  # T^T
@@ -85,12 +85,12 @@ def _grad_a_kernel(v_ptr, beta_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr, do_p
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         vm = cv < V
-        dv_new = _row_tile(dvnew_ptr, rows, valid, cv, vm, V)  # [BT, BV]
-        dP += _mm(_row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(_row_tile(vnew_ptr, rows, valid, cv, vm, V)),
+        dv_new = row_tile(dvnew_ptr, rows, valid, cv, vm, V)  # [BT, BV]
+        dP += mm(row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(row_tile(vnew_ptr, rows, valid, cv, vm, V)),
                   DOT_BF16)
-        dY = _mm(Ai_t, dv_new, DOT_BF16)  # [BT, BV]
-        dA -= _mm(dY, tl.trans(_row_tile(u_ptr, rows, valid, cv, vm, V)), DOT_BF16)
-        dbeta += tl.sum(dY * _row_tile(v_ptr, rows, valid, cv, vm, V), axis=1)
+        dY = mm(Ai_t, dv_new, DOT_BF16)  # [BT, BV]
+        dA -= mm(dY, tl.trans(row_tile(u_ptr, rows, valid, cv, vm, V)), DOT_BF16)
+        dbeta += tl.sum(dY * row_tile(v_ptr, rows, valid, cv, vm, V), axis=1)
         _store_rows(dv_ptr, rows, valid, cv, vm, V, beta[:, None] * dY)
     for c0 in range(0, K, BK):
         c = c0 + tl.arange(0, BK)
@@ -100,9 +100,9 @@ def _grad_a_kernel(v_ptr, beta_ptr, ai_ptr, w_ptr, u_ptr, vnew_ptr, hs_ptr, do_p
             cv = v0 + tl.arange(0, BV)
             vm = cv < V
             S0 = tl.load(hs_ptr + state + c[:, None] * V + cv[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-            dw -= _mm(_row_tile(dvnew_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
-        dX = _mm(Ai_t, dw, DOT_BF16)  # [BT, BK]
-        dA -= _mm(dX, tl.trans(_row_tile(w_ptr, rows, valid, c, cm, K)), DOT_BF16)
+            dw -= mm(row_tile(dvnew_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
+        dX = mm(Ai_t, dw, DOT_BF16)  # [BT, BK]
+        dA -= mm(dX, tl.trans(row_tile(w_ptr, rows, valid, c, cm, K)), DOT_BF16)
         _store_rows(dx_ptr, rows, valid, c, cm, K, dX)
     pair = valid[:, None] & valid[None, :]
     tile = rows[:, None] * BT + t[None, :]
@@ -118,7 +118,7 @@ def _grad_k_kernel(q_ptr, k_ptr, beta_ptr, G_ptr, vnew_ptr, hs_ptr, do_ptr, ds1_
                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
     """Per (segment, head, K block): dq, dk, dg and this block's part of dbeta (row k_block of the
     [NKB, B, T, H] dbeta partials), from dA, dP, dX of `_grad_a_kernel`."""
-    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    s, bh, b, h, L, t, valid, row0, rows = segment_program(seg_ptr, NS, T, H, BT)
     kb = tl.program_id(2)
     state = ((b * NS + s) * H + h) * K * V
     c = kb * BK + tl.arange(0, BK)
@@ -133,21 +133,21 @@ def _grad_k_kernel(q_ptr, k_ptr, beta_ptr, G_ptr, vnew_ptr, hs_ptr, do_ptr, ds1_
         s_mask = cm[:, None] & vm[None, :]
         S0 = tl.load(hs_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)  # [BK, BV]
         dS1 = tl.load(ds1_ptr + s_offs, mask=s_mask, other=0.0)
-        dQg += _mm(_row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
-        dKg += _mm(_row_tile(vnew_ptr, rows, valid, cv, vm, V), tl.trans(dS1), DOT_BF16)
+        dQg += mm(row_tile(do_ptr, rows, valid, cv, vm, V), tl.trans(S0), DOT_BF16)
+        dKg += mm(row_tile(vnew_ptr, rows, valid, cv, vm, V), tl.trans(dS1), DOT_BF16)
         last += tl.sum(dS1 * S0, axis=1)
     dA = tl.load(dA_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
     dP = tl.load(dP_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)
-    dX = _row_tile(dx_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    dX = row_tile(dx_ptr, rows, valid, c, cm, K)  # [BT, BK]
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
-    G = _row_tile(G_ptr, rows, valid, c, cm, K)
+    G = row_tile(G_ptr, rows, valid, c, cm, K)
     G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
-    q = _row_tile(q_ptr, rows, valid, c, cm, K)
-    k = _row_tile(k_ptr, rows, valid, c, cm, K)
-    Rk = _decay_row(dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
-    Ck = _decay_col(beta[:, None] * dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
-    Rq = _decay_row(dP, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
-    Cq = _decay_col(dP, q_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    q = row_tile(q_ptr, rows, valid, c, cm, K)
+    k = row_tile(k_ptr, rows, valid, c, cm, K)
+    Rk = decay_row(dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Ck = decay_col(beta[:, None] * dA, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Rq = decay_row(dP, k_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
+    Cq = decay_col(dP, q_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K, BT, BC, DOT_BF16)
     eG = tl.exp(G)  # padded rows have G = 0 and zero inputs
     to_end = tl.where(valid[:, None], tl.exp(G_last[None, :] - G), 0.0)  # [BT, BK]
     dq = scale * (Rq + dQg * eG)

@@ -8,7 +8,7 @@ state position (the prefix cache's checkpoints), so the state at a position is e
 padding. The host computes the cut (`segment_plan`) from Python ints: no device sync. Stages:
 
   1. `_cumsum_kernel`   (segment, b*h, K block): G = in-segment cumsum(g), fp32.
-  2. `_intra_kernel`    (segment, b*h): A_kk = beta * gram(k, k) (strict), A_qk = scale * gram(q, k),
+  2. `intra_kernel`    (segment, b*h): A_kk = beta * gram(k, k) (strict), A_qk = scale * gram(q, k),
                         T = (I + A_kk)^{-1} (UT transform, by 16 x 16 blocks in place in `ai`),
                         w = T (beta k e^G), u = T (beta v), qg = scale q e^G, kg = k e^(G_last - G).
                         All segments in parallel.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.impl import gpu_autotune
-from kernels.kda.chunk_intra import _block_inverse, _gram, _mm, _row_tile, _segment_program, _state_program
+from kernels.kda.chunk_intra import block_inverse, gram_tile, mm, row_tile, segment_program, state_program
 
 BT = 64  # tokens per segment
 BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
@@ -38,46 +38,46 @@ BC = 16  # tokens per sub-chunk (tl.dot needs every dimension >= 16)
 
 @triton.jit(do_not_specialize=["NS", "T"])
 def _cumsum_kernel(g_ptr, G_ptr, seg_ptr, NS, T, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    s, bh, b, h, L, t, valid, row0, rows = segment_program(seg_ptr, NS, T, H, BT)
     c = tl.program_id(2) * BK + tl.arange(0, BK)
     cm = c < K
-    G = tl.cumsum(_row_tile(g_ptr, rows, valid, c, cm, K), axis=0)  # [BT, BK]
+    G = tl.cumsum(row_tile(g_ptr, rows, valid, c, cm, K), axis=0)  # [BT, BK]
     tl.store(G_ptr + rows[:, None] * K + c[None, :], G, mask=valid[:, None] & cm[None, :])
 
 
 @triton.jit(do_not_specialize=["NS", "T"])
-def _intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
+def intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, seg_ptr,
                   ai_ptr, aqk_ptr, w_ptr, u_ptr, qg_ptr, kg_ptr,
                   scale, NS, T, H, K, V,
                   BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    s, bh, b, h, L, t, valid, row0, rows = segment_program(seg_ptr, NS, T, H, BT)
     beta = tl.load(beta_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BT]
-    A_kk = beta[:, None] * _gram(k_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, True, BT, BC, BK, DOT_BF16)
-    A_qk = scale * _gram(q_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, False, BT, BC, BK, DOT_BF16)
+    A_kk = beta[:, None] * gram_tile(k_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, True, BT, BC, BK, DOT_BF16)
+    A_qk = scale * gram_tile(q_ptr, k_ptr, G_ptr, row0, H, t, valid, L, K, False, BT, BC, BK, DOT_BF16)
     tile = rows[:, None] * BT + t[None, :]
     tl.store(aqk_ptr + tile, A_qk, mask=valid[:, None])
     tl.store(ai_ptr + tile, A_kk, mask=valid[:, None])
     tl.debug_barrier()  # A_kk visible to every thread of this program
-    _block_inverse(ai_ptr, row0, H, L, BT, BC)  # in place: (I + A_kk)^{-1}, the UT transform
+    block_inverse(ai_ptr, row0, H, L, BT, BC)  # in place: (I + A_kk)^{-1}, the UT transform
     tl.debug_barrier()
     Ai = tl.load(ai_ptr + tile, mask=valid[:, None], other=0.0)  # [BT, BT]
     for c0 in range(0, K, BK):
         c = c0 + tl.arange(0, BK)
         cm = c < K
         m2 = valid[:, None] & cm[None, :]
-        G = _row_tile(G_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        G = row_tile(G_ptr, rows, valid, c, cm, K)  # [BT, BK]
         G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
-        k = _row_tile(k_ptr, rows, valid, c, cm, K)
-        w = _mm(Ai, beta[:, None] * k * tl.exp(G), DOT_BF16)  # [BT, BK]
+        k = row_tile(k_ptr, rows, valid, c, cm, K)
+        w = mm(Ai, beta[:, None] * k * tl.exp(G), DOT_BF16)  # [BT, BK]
         tl.store(w_ptr + rows[:, None] * K + c[None, :], w.to(w_ptr.dtype.element_ty), mask=m2)
-        qg = scale * _row_tile(q_ptr, rows, valid, c, cm, K) * tl.exp(G)
+        qg = scale * row_tile(q_ptr, rows, valid, c, cm, K) * tl.exp(G)
         tl.store(qg_ptr + rows[:, None] * K + c[None, :], qg.to(qg_ptr.dtype.element_ty), mask=m2)
         kg = k * tl.exp(tl.where(m2, G_last[None, :] - G, 0.0))
         tl.store(kg_ptr + rows[:, None] * K + c[None, :], kg.to(kg_ptr.dtype.element_ty), mask=m2)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         vm = cv < V
-        u = _mm(Ai, beta[:, None] * _row_tile(v_ptr, rows, valid, cv, vm, V), DOT_BF16)  # [BT, BV]
+        u = mm(Ai, beta[:, None] * row_tile(v_ptr, rows, valid, cv, vm, V), DOT_BF16)  # [BT, BV]
         tl.store(u_ptr + rows[:, None] * V + cv[None, :], u.to(u_ptr.dtype.element_ty), mask=valid[:, None] & vm[None, :])
 
 
@@ -88,7 +88,7 @@ def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
                   NS, T, H, K, V, P,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   HAS_INITIAL: tl.constexpr, DOT_BF16: tl.constexpr):
-    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = _state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
+    bh, b, h, cv, vm, c, cm, t, s_offs, s_mask = state_program(H, K, V, BT, BK, BV)  # s_offs: [BK, BV]
     if HAS_INITIAL:
         S = tl.load(h0_ptr + bh * K * V + s_offs, mask=s_mask, other=0.0).to(tl.float32)
     else:
@@ -99,13 +99,13 @@ def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
         row0 = (b * T + start) * H + h
         rows = row0 + t * H
         tl.store(hs_ptr + ((b * NS + s) * H + h) * K * V + s_offs, S.to(hs_ptr.dtype.element_ty), mask=s_mask)
-        w = _row_tile(w_ptr, rows, valid, c, cm, K)  # [BT, BK]
-        v_new = _row_tile(u_ptr, rows, valid, cv, vm, V) - _mm(w, S, DOT_BF16)  # [BT, BV]
+        w = row_tile(w_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        v_new = row_tile(u_ptr, rows, valid, cv, vm, V) - mm(w, S, DOT_BF16)  # [BT, BV]
         tl.store(vnew_ptr + rows[:, None] * V + cv[None, :], v_new.to(vnew_ptr.dtype.element_ty),
                  mask=valid[:, None] & vm[None, :])
-        kg = _row_tile(kg_ptr, rows, valid, c, cm, K)
+        kg = row_tile(kg_ptr, rows, valid, c, cm, K)
         G_last = tl.load(G_ptr + (row0 + (L - 1) * H) * K + c, mask=cm, other=0.0)  # [BK]
-        S = tl.exp(G_last)[:, None] * S + _mm(tl.trans(kg), v_new, DOT_BF16)
+        S = tl.exp(G_last)[:, None] * S + mm(tl.trans(kg), v_new, DOT_BF16)
         if slot >= 0:
             tl.store(pos_ptr + ((b * P + slot) * H + h) * K * V + s_offs, S, mask=s_mask)
     tl.store(final_ptr + bh * K * V + s_offs, S, mask=s_mask)
@@ -115,7 +115,7 @@ def _state_kernel(w_ptr, u_ptr, kg_ptr, G_ptr, h0_ptr, seg_ptr,
 @triton.jit(do_not_specialize=["NS", "T"])
 def _output_kernel(qg_ptr, aqk_ptr, vnew_ptr, hs_ptr, seg_ptr, o_ptr, NS, T, H, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
-    s, bh, b, h, L, t, valid, row0, rows = _segment_program(seg_ptr, NS, T, H, BT)
+    s, bh, b, h, L, t, valid, row0, rows = segment_program(seg_ptr, NS, T, H, BT)
     cv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = cv < V
     state = ((b * NS + s) * H + h) * K * V
@@ -124,9 +124,9 @@ def _output_kernel(qg_ptr, aqk_ptr, vnew_ptr, hs_ptr, seg_ptr, o_ptr, NS, T, H, 
         c = c0 + tl.arange(0, BK)
         cm = c < K
         S = tl.load(hs_ptr + state + c[:, None] * V + cv[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-        o += _mm(_row_tile(qg_ptr, rows, valid, c, cm, K), S, DOT_BF16)  # from the segment's start state
+        o += mm(row_tile(qg_ptr, rows, valid, c, cm, K), S, DOT_BF16)  # from the segment's start state
     A_qk = tl.load(aqk_ptr + rows[:, None] * BT + t[None, :], mask=valid[:, None], other=0.0)  # [BT, BT]
-    o += _mm(A_qk, _row_tile(vnew_ptr, rows, valid, cv, vm, V), DOT_BF16)  # ... plus this segment's writes
+    o += mm(A_qk, row_tile(vnew_ptr, rows, valid, cv, vm, V), DOT_BF16)  # ... plus this segment's writes
     tl.store(o_ptr + rows[:, None] * V + cv[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & vm[None, :])
 
 
@@ -175,7 +175,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, positions):
     aqk = torch.empty_like(ai)
     w, qg, kg = (torch.empty(B, T, H, K, dtype=wdt, device=dev) for _ in range(3))
     u, v_new = (torch.empty(B, T, H, V, dtype=wdt, device=dev) for _ in range(2))
-    _intra_kernel[(NS, B * H)](q, k, v, beta, G, seg, ai, aqk, w, u, qg, kg, float(scale), NS, T, H, K, V,
+    intra_kernel[(NS, B * H)](q, k, v, beta, G, seg, ai, aqk, w, u, qg, kg, float(scale), NS, T, H, K, V,
                                BT=BT, BC=BC, BK=BKb, BV=BV, DOT_BF16=bf16)
     hs = torch.empty(B, NS, H, K, V, dtype=wdt, device=dev)
     pos = torch.zeros(B, P, H, K, V, dtype=torch.float32, device=dev)
@@ -193,5 +193,5 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, positions):
     return o, final, pos, saved
 
 
-TRITON_KERNELS = {"kda_chunk_cumsum": _cumsum_kernel, "kda_chunk_intra": _intra_kernel,
+TRITON_KERNELS = {"kda_chunk_cumsum": _cumsum_kernel, "kda_chunk_intra": intra_kernel,
                   "kda_chunk_state": _state_kernel, "kda_chunk_output": _output_kernel}

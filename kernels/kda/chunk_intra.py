@@ -14,7 +14,7 @@ without a [BT, BT, K] tensor, in fla's sub-chunk scheme: tokens form sub-chunks 
 rows of sub-chunk s and columns in earlier sub-chunks a reference row r = 16 s splits the decay
 as exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1, so the block is one `tl.dot`; the
 16 x 16 diagonal blocks, where no such split is bounded, are summed column by column.
-`_decay_row` and `_decay_col` are the same scheme applied to a given [BT, BT] matrix D (the
+`decay_row` and `decay_col` are the same scheme applied to a given [BT, BT] matrix D (the
 backward's row- and column-role gradients).
 
 Dots take fp32 operands with input_precision="ieee" (exact twin of the torch path), or bf16
@@ -26,7 +26,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _mm(a, b, DOT_BF16: tl.constexpr):
+def mm(a, b, DOT_BF16: tl.constexpr):
     """a @ b with fp32 accumulation; bf16 operands when DOT_BF16, else fp32 'ieee'."""
     if DOT_BF16:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -35,7 +35,7 @@ def _mm(a, b, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(ptr, rows, valid, c, cm, width):
+def row_tile(ptr, rows, valid, c, cm, width):
     """[BT, BK] fp32 tile of `ptr` at rows (int64 [BT]) and columns c ([BK]); masked -> 0."""
     return tl.load(ptr + rows[:, None] * width + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0).to(
         tl.float32
@@ -43,7 +43,7 @@ def _row_tile(ptr, rows, valid, c, cm, width):
 
 
 @triton.jit
-def _gram(a_ptr, b_ptr, G_ptr, row0, H, t, valid, L, K,
+def gram_tile(a_ptr, b_ptr, G_ptr, row0, H, t, valid, L, K,
           STRICT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr):
     """M[i, j] = sum_c a_ic b_jc exp(G_ic - G_jc) for j < i (STRICT) or j <= i; [BT, BT] fp32.
 
@@ -54,9 +54,9 @@ def _gram(a_ptr, b_ptr, G_ptr, row0, H, t, valid, L, K,
     for c0 in range(0, K, BK):
         c = c0 + tl.arange(0, BK)  # [BK]
         cm = c < K
-        a = _row_tile(a_ptr, rows, valid, c, cm, K)  # [BT, BK]
-        b = _row_tile(b_ptr, rows, valid, c, cm, K)
-        G = _row_tile(G_ptr, rows, valid, c, cm, K)
+        a = row_tile(a_ptr, rows, valid, c, cm, K)  # [BT, BK]
+        b = row_tile(b_ptr, rows, valid, c, cm, K)
+        G = row_tile(G_ptr, rows, valid, c, cm, K)
         for sc in tl.static_range(1, BT // BC):  # sub-chunk 0 has no earlier columns
             r = sc * BC
             G_r = tl.load(G_ptr + (row0 + r * H) * K + c, mask=cm & (r < L), other=0.0)  # [BK]
@@ -64,22 +64,22 @@ def _gram(a_ptr, b_ptr, G_ptr, row0, H, t, valid, L, K,
             before = (t < r) & valid & (r < L)  # [BT] columns in earlier sub-chunks (none if s is empty)
             a_t = tl.where(mine[:, None], a * tl.exp(tl.where(mine[:, None], G - G_r[None, :], 0.0)), 0.0)
             b_t = tl.where(before[:, None], b * tl.exp(tl.where(before[:, None], G_r[None, :] - G, 0.0)), 0.0)
-            acc += _mm(a_t, tl.trans(b_t), DOT_BF16)
+            acc += mm(a_t, tl.trans(b_t), DOT_BF16)
         for jj in tl.static_range(BC):  # the diagonal 16 x 16 blocks, column jj of each
             j = (t // BC) * BC + jj  # [BT] the column each row pairs with
             if STRICT:
                 ok = (j < t) & valid
             else:
                 ok = (j <= t) & valid
-            b_j = _row_tile(b_ptr, row0 + j * H, ok, c, cm, K)  # [BT, BK]
-            G_j = _row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
+            b_j = row_tile(b_ptr, row0 + j * H, ok, c, cm, K)  # [BT, BK]
+            G_j = row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
             col = tl.sum(a * b_j * tl.exp(tl.where(ok[:, None], G - G_j, float("-inf"))), axis=1)  # [BT]
             acc += tl.where(t[None, :] == j[:, None], col[:, None], 0.0)
     return acc
 
 
 @triton.jit
-def _decay_row(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
+def decay_row(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
                BT: tl.constexpr, BC: tl.constexpr, DOT_BF16: tl.constexpr):
     """R[i] = sum_{j <= i} D[i, j] b_j exp(G_i - G_j) for the K block c: [BT, BK] fp32.
 
@@ -87,7 +87,7 @@ def _decay_row(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
     G: [BT, BK] this block's cumulative gates (the tile of G_ptr at these rows).
     """
     rows = row0 + t * H
-    b = _row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    b = row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
     out = tl.zeros(b.shape, dtype=tl.float32)
     for sc in tl.static_range(1, BT // BC):
         r = sc * BC
@@ -97,27 +97,27 @@ def _decay_row(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
         D_s = tl.where(mine[:, None] & (t[None, :] < r), D, 0.0)  # [BT, BT]
         b_t = tl.where(before[:, None], b * tl.exp(tl.where(before[:, None], G_r[None, :] - G, 0.0)), 0.0)
         decay_i = tl.where(mine[:, None], tl.exp(tl.where(mine[:, None], G - G_r[None, :], 0.0)), 0.0)
-        out += decay_i * _mm(D_s, b_t, DOT_BF16)
+        out += decay_i * mm(D_s, b_t, DOT_BF16)
     for jj in tl.static_range(BC):
         j = (t // BC) * BC + jj
         ok = (j <= t) & valid
         d = tl.sum(tl.where(t[None, :] == j[:, None], D, 0.0), axis=1)  # [BT] D[i, j(i)]
-        b_j = _row_tile(b_ptr, row0 + j * H, ok, c, cm, K)
-        G_j = _row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
+        b_j = row_tile(b_ptr, row0 + j * H, ok, c, cm, K)
+        G_j = row_tile(G_ptr, row0 + j * H, ok, c, cm, K)
         out += d[:, None] * b_j * tl.exp(tl.where(ok[:, None], G - G_j, float("-inf")))
     return out
 
 
 @triton.jit
-def _decay_col(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
+def decay_col(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
                BT: tl.constexpr, BC: tl.constexpr, DOT_BF16: tl.constexpr):
     """C[j] = sum_{i >= j} D[i, j] b_i exp(G_i - G_j) for the K block c: [BT, BK] fp32.
 
-    Same D and G as `_decay_row`. For columns of sub-chunk s and rows in later sub-chunks the
+    Same D and G as `decay_row`. For columns of sub-chunk s and rows in later sub-chunks the
     reference is the sub-chunk's last valid row r: exp(G_i - G_r) and exp(G_r - G_j) are <= 1.
     """
     rows = row0 + t * H
-    b = _row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
+    b = row_tile(b_ptr, rows, valid, c, cm, K)  # [BT, BK]
     out = tl.zeros(b.shape, dtype=tl.float32)
     for sc in tl.static_range(0, BT // BC - 1):  # the last sub-chunk has no later rows
         r = tl.minimum(sc * BC + BC - 1, L - 1)  # a valid row >= every valid column of sc
@@ -127,14 +127,14 @@ def _decay_col(D, b_ptr, G_ptr, G, row0, H, t, valid, L, c, cm, K,
         D_s = tl.where(after[:, None] & mine[None, :], D, 0.0)  # [BT(i), BT(j)]
         b_t = tl.where(after[:, None], b * tl.exp(tl.where(after[:, None], G - G_r[None, :], 0.0)), 0.0)
         decay_j = tl.where(mine[:, None], tl.exp(tl.where(mine[:, None], G_r[None, :] - G, 0.0)), 0.0)
-        out += decay_j * _mm(tl.trans(D_s), b_t, DOT_BF16)
+        out += decay_j * mm(tl.trans(D_s), b_t, DOT_BF16)
     Dt = tl.trans(D)  # [BT(j), BT(i)]
     for ii in tl.static_range(BC):
         i = (t // BC) * BC + ii  # [BT] the row each column pairs with
         ok = (i >= t) & (i < L) & valid
         d = tl.sum(tl.where(t[None, :] == i[:, None], Dt, 0.0), axis=1)  # [BT] D[i(j), j]
-        b_i = _row_tile(b_ptr, row0 + i * H, ok, c, cm, K)
-        G_i = _row_tile(G_ptr, row0 + i * H, ok, c, cm, K)
+        b_i = row_tile(b_ptr, row0 + i * H, ok, c, cm, K)
+        G_i = row_tile(G_ptr, row0 + i * H, ok, c, cm, K)
         out += d[:, None] * b_i * tl.exp(tl.where(ok[:, None], G_i - G, float("-inf")))
     return out
 
@@ -165,7 +165,7 @@ def _put(ptr, row0, H, L, a: tl.constexpr, b: tl.constexpr, x, BT: tl.constexpr,
 
 
 @triton.jit
-def _block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
+def block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
     """(I + A)^{-1} in place, A the strictly lower [BT, BT] (BT = 4 BC) matrix stored at ptr's rows.
 
     Block forward substitution (fla's solve_tril): the four diagonal [BC, BC] blocks are inverted
@@ -184,12 +184,12 @@ def _block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
                      _block(ptr, row0, H, L, 3, 2, BT, BC))
     A20, A31, A30 = (_block(ptr, row0, H, L, 2, 0, BT, BC), _block(ptr, row0, H, L, 3, 1, BT, BC),
                      _block(ptr, row0, H, L, 3, 0, BT, BC))
-    X10 = -_mm(X11, _mm(A10, X00, False), False)
-    X21 = -_mm(X22, _mm(A21, X11, False), False)
-    X32 = -_mm(X33, _mm(A32, X22, False), False)
-    X20 = -_mm(X22, _mm(A20, X00, False) + _mm(A21, X10, False), False)
-    X31 = -_mm(X33, _mm(A31, X11, False) + _mm(A32, X21, False), False)
-    X30 = -_mm(X33, _mm(A30, X00, False) + _mm(A31, X10, False) + _mm(A32, X20, False), False)
+    X10 = -mm(X11, mm(A10, X00, False), False)
+    X21 = -mm(X22, mm(A21, X11, False), False)
+    X32 = -mm(X33, mm(A32, X22, False), False)
+    X20 = -mm(X22, mm(A20, X00, False) + mm(A21, X10, False), False)
+    X31 = -mm(X33, mm(A31, X11, False) + mm(A32, X21, False), False)
+    X30 = -mm(X33, mm(A30, X00, False) + mm(A31, X10, False) + mm(A32, X20, False), False)
     _put(ptr, row0, H, L, 0, 0, X00, BT, BC)
     _put(ptr, row0, H, L, 1, 1, X11, BT, BC)
     _put(ptr, row0, H, L, 2, 2, X22, BT, BC)
@@ -203,7 +203,7 @@ def _block_inverse(ptr, row0, H, L, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _state_program(H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def state_program(H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The indices of a serial-walk program (grid (b*h, V block)): bh (int64), b, h, its value
     columns cv [BV] and mask, the key channels c [BK] and mask, token offsets t [BT], and the
     offsets and mask of its [BK, BV] block within one [K, V] state."""
@@ -215,7 +215,7 @@ def _state_program(H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
 
 
 @triton.jit
-def _segment_program(seg_ptr, NS, T, H, BT: tl.constexpr):
+def segment_program(seg_ptr, NS, T, H, BT: tl.constexpr):
     """The indices of a per-segment program (grid (segment, b*h, ...)): s, bh (int64), b, h, the
     segment's length L, token offsets t [BT] and their mask, and the global rows (int64 [BT]) of its
     tokens, row0 = rows[0]."""

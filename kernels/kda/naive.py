@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, state_positions) -> tuple[int, ...]:
+def check_inputs(q, k, v, g, beta, initial_state, state_positions) -> tuple[int, ...]:
     """Validates shapes and positions; returns (B, T, H, K, V) and the positions as a tuple."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -98,7 +98,7 @@ def naive_recurrent_kda(
         final_state: [B, H, K, V] fp32, the state after all T tokens.
         position_states: [B, P, H, K, V] fp32, P = len(state_positions).
     """
-    (B, T, H, K, V), positions = _check_inputs(q, k, v, g, beta, initial_state, state_positions)
+    (B, T, H, K, V), positions = check_inputs(q, k, v, g, beta, initial_state, state_positions)
     scale = K**-0.5 if scale is None else scale
     out_dtype = q.dtype
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
@@ -184,7 +184,7 @@ def naive_chunk_kda(
     delta = u - w S ("v_new"); the outputs and the next state follow from the unrolled S_i.
     This matches fla's `fla/ops/kda/naive.py::naive_chunk_kda` up to the segment cutting.
     """
-    (B, T, H, K, V), positions = _check_inputs(q, k, v, g, beta, initial_state, state_positions)
+    (B, T, H, K, V), positions = check_inputs(q, k, v, g, beta, initial_state, state_positions)
     if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
         raise ValueError(f"chunk_len must be a positive int, got {chunk_len!r}")
     scale = K**-0.5 if scale is None else scale

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.kda.naive import _check_inputs
+from kernels.kda.naive import check_inputs
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -19,7 +19,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     """q, k: [B, T, H, K] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H];
     initial_state: [B, H, K, V] or None (zeros), not mutated.
     Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32)."""
-    (B, T, H, K, V), _ = _check_inputs(q, k, v, g, beta, initial_state, ())
+    (B, T, H, K, V), _ = check_inputs(q, k, v, g, beta, initial_state, ())
     scale = K**-0.5 if scale is None else scale
     f32 = torch.float32
     # Token-major, (batch, head)-flattened layouts so each step reads contiguous slices.

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.impl import check_impl, gpu_autotune, require_triton
-from kernels.mla.split_kv import (BLOCK_N, SplitPlan, _combine_kernel, combine_splits_triton, decode_grid, device_sms,
+from kernels.mla.split_kv import (BLOCK_N, SplitPlan, combine_kernel, combine_splits_triton, decode_grid, device_sms,
                                    plan_splits)
 
 
@@ -326,4 +326,4 @@ def paged_mla_decode(
 
 
 # name -> Triton kernel (tools/gpu_check.py's compile counts and register figures)
-TRITON_KERNELS = {"mla_decode": _paged_mla_decode_kernel, "mla_decode_combine": _combine_kernel}
+TRITON_KERNELS = {"mla_decode": _paged_mla_decode_kernel, "mla_decode_combine": combine_kernel}

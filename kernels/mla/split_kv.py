@@ -136,7 +136,7 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 
 @triton.jit
-def _combine_kernel(
+def combine_kernel(
     part_o_ptr,  # [B, S, H, DC] fp32 contiguous: each split's normalised output
     part_lse_ptr,  # [B, S, H] fp32 contiguous; -inf for a split with no token
     seq_lens_ptr,  # [B]
@@ -171,7 +171,7 @@ def combine_splits_triton(part_o: Tensor, part_lse: Tensor, seq_lens: Tensor, sp
     """Merges part_o [B, S, H, Dc] fp32 / part_lse [B, S, H] into out [B, H, Dc] (its dtype) and
     lse [B, H] fp32, in place. Reads only the splits that hold tokens of each sequence."""
     B, S, H, Dc = part_o.shape
-    _combine_kernel[combine_grid(B, H)](
+    combine_kernel[combine_grid(B, H)](
         part_o, part_lse, seq_lens, out, lse, H, S, split_len,
         DC=Dc, BLOCK_DC=max(16, triton.next_power_of_2(Dc)), num_warps=4,
     )

@@ -27,7 +27,7 @@ from rl.config import CONFIGS, RunConfig, compose_run_config
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
 from rl.plan.model import (DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, host_budget_bytes, meta_policy,
                            plan_phases, plan_sizes)
-from rl.run.tracking import _plot_memory
+from rl.run.tracking import plot_memory
 from trainer.chunks import chunk_specs
 
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     plan = make_plan(cfg, cluster, options)
     render(plan, console)
     if options.png is not None:
-        _plot_memory(phase_records(plan), Path(options.png), last_iterations=2)
+        plot_memory(phase_records(plan), Path(options.png), last_iterations=2)
         console.print(f"memory timeline: {options.png}")
     return 0 if plan.fits else 1
 

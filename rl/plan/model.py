@@ -42,7 +42,7 @@ import torch
 
 from memory.layout import CacheLayout
 from memory.nvme_store import NvmeStoreConfig
-from memory.spill_format import _plan as spill_plan
+from memory.spill_format import spill_layout as spill_plan
 from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype

@@ -1,4 +1,4 @@
-"""The phase orchestrator: the one RL loop, explicit calls in order (SPEC §5.4).
+"""The phase orchestrator: the one RL loop, explicit calls in order.
 
 Per iteration:
     [host_in] -> wake engine -> load policy weights into it (version = iteration + 1) -> [eval, when
@@ -6,7 +6,7 @@ Per iteration:
     -> engine sleep -> [host_out] -> [restore training state, if spilled] -> TRAIN (reference
     logprobs, policy update) -> log -> checkpoint -> offload training state (NVMe spill with
     memory.spill_dir).
-Host DRAM is time-multiplexed (seed 003) when the run spills and the engine has a host KV pool:
+Host DRAM is time-multiplexed when the run spills and the engine has a host KV pool:
 "host_out" writes the pool's live contents (parked partial rollouts, turn-boundary prefix entries
 worth keeping) to NVMe and returns its lease before "restore" brings the training states back;
 "host_in" leases it again once they left ("offload"; before the first rollout too) and reads the

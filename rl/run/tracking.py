@@ -178,7 +178,7 @@ class Tracker:
         if self.config.plots:
             metrics, phases = read_jsonl(self.metrics_path), read_jsonl(self.phases_path)
             _plot_reward(metrics, self.run_dir / "reward.png", warmup, ceiling)
-            _plot_memory(phases, self.run_dir / "memory.png")
+            plot_memory(phases, self.run_dir / "memory.png")
             plot_mechanisms(metrics, phases, self.run_dir / "mechanisms.png")
         (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
         table = Table(title="run summary")
@@ -285,7 +285,7 @@ def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None, ce
     plt.close(fig)
 
 
-def _plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> None:
+def plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> None:
     """What each memory consumer holds through the phases of the last `last_iterations` iterations:
     one step line per memory key, one equal-width slot per phase (durations differ by 1000x; each
     slot's label gives the phase and its seconds). Keys named by tier (`device_*`, `host_*`,

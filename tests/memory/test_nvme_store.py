@@ -47,7 +47,7 @@ def aio_op():
 @pytest.fixture
 def disk_dir(tmp_path):
     """A directory that takes O_DIRECT (tmp_path, unless /tmp is tmpfs: then one under the repo's .cache)."""
-    if ns._odirect_supported(tmp_path):
+    if ns.odirect_supported(tmp_path):
         yield tmp_path
         return
     d = Path(tempfile.mkdtemp(prefix="nvme-test-", dir=REPO / ".cache"))
@@ -294,8 +294,8 @@ def refuse_op():
 
 
 @pytest.mark.parametrize("patch,match", [
-    (("_odirect_supported", lambda d: False), "does not support O_DIRECT"),
-    (("_can_lock", lambda n: False), "cannot page-lock"),
+    (("odirect_supported", lambda d: False), "does not support O_DIRECT"),
+    (("can_lock", lambda n: False), "cannot page-lock"),
     (("load_aio_op", refuse_op), "async_io op could not be loaded"),
 ], ids=["no_odirect", "no_mlock", "op_fails"])
 def test_auto_falls_back_to_buffered_loudly_and_aio_refuses(disk_dir, aio_op, monkeypatch, capsys, patch, match):
@@ -353,9 +353,9 @@ def test_disk_full_fails_cleanly(small_tmpfs, backend_name, stage, monkeypatch, 
     old = {"m": random_bytes_(torch.empty(64 << 10), 1)}  # [64K] fp32 = 256 KiB
     store.spill("adam_m", old)
     if stage in ("fallocate", "write"):
-        monkeypatch.setattr(ns, "_free_bytes", lambda d: 1 << 40)
+        monkeypatch.setattr(ns, "free_bytes", lambda d: 1 << 40)
     if stage == "write":
-        monkeypatch.setattr(ns, "_reserve", lambda fd, n: None)
+        monkeypatch.setattr(ns, "reserve", lambda fd, n: None)
     big = {"m": random_bytes_(torch.empty(512 << 10), 2)}  # 2 MiB
     before = snapshot(big)
     for name, prev in (("adam_m", old), ("adam_v", None)):  # replacing a group, and a new one
@@ -466,8 +466,8 @@ def test_bad_inputs_are_rejected_before_writing(disk_dir):
 @given(sizes=st.lists(st.integers(0, 300_000), max_size=8), chunk_kib=st.sampled_from([64, 128, 192, 1024]))
 def test_chunk_plan_covers_every_tensor_byte_exactly_once(sizes, chunk_kib):
     tensors = {f"t{i}": torch.empty(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
-    m = ns._plan("g", tensors, "crc32")
-    chunks = ns._chunks(m, chunk_kib << 10)
+    m = ns.spill_layout("g", tensors, "crc32")
+    chunks = ns.spill_chunks(m, chunk_kib << 10)
     assert sum(c.nbytes for c in chunks) == m.data_bytes and m.data_bytes % FILE_ALIGN == 0
     seen = {i: 0 for i in range(len(sizes))}  # next expected byte of each tensor (order is file order)
     for c in chunks:

@@ -184,11 +184,11 @@ def test_command_line_refuses_a_bad_config_naming_it(tmp_path, argv, message):
 
 
 def test_phase_records_are_what_the_memory_plot_reads(tmp_path):
-    from rl.run.tracking import _plot_memory
+    from rl.run.tracking import plot_memory
 
     plan = make_plan(composed(), CPU)
     recs = phase_records(plan)
     assert [(r["iteration"], r["phase"]) for r in recs] == [(p.iteration, p.phase) for p in plan.phases]
     json.dumps(recs)  # the phases.jsonl format: plain numbers
-    _plot_memory(recs, tmp_path / "memory.png")
+    plot_memory(recs, tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 0
