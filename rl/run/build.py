@@ -23,6 +23,7 @@ from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig
+from rl.config.checks import check_tokenizer, check_world
 from rl.config.resume import check_checkpoint_model, resolved_config
 from rl.envs.data import RowSampler, load_rows
 from rl.episodes.driver import RolloutDriver
@@ -73,10 +74,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     ledger = HostLedger(host_budget_bytes(cfg, ranks))
     # The configs go through as composed; the engine's requests are seeded by the run's seed.
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
-                         f"vocab_size is {cfg.model.vocab_size}: ids past it have no embedding; expected a tokenizer "
-                         f"of at most {cfg.model.vocab_size} tokens (or a model config that matches it)")
+    check_tokenizer(cfg, tokenizer)
     engine = Engine(engine_model, cfg.engine, ledger=ledger, detokenize=tokenizer.decode,  # decode: stop_strings
                     seed=cfg.seed)
     if cfg.memory.spill_dir is not None and engine.host is not None:
@@ -84,10 +82,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     t = cfg.trainer
     # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
     trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
-    if ranks.world > 1 and cfg.algo.mini_batches > 1:
-        raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} with {ranks.world} ranks: each mini-batch is "
-                         f"normalised by its own counts, which needs one rank for now; expected algo.mini_batches=1 "
-                         f"(algo.ppo_epochs works on several ranks)")
+    check_world(cfg, ranks.world)  # the run's ranks (composition checked WORLD_SIZE)
     rows = None
     if cfg.data.enabled:
         def encode(prompt):  # exactly what the driver sends
