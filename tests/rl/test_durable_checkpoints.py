@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from memory.durable import file_digest
-from rl import checkpoint as ckpt
+from rl.run import checkpoint as ckpt
 from rl.run.checkpoint import CheckpointDamaged, find_resumable, save_iteration
 from rl.config import CheckpointConfig
 from rl.train import run
