@@ -402,14 +402,12 @@ def _sequences(engine: Engine) -> list:
 
 
 def _host_pool_pages(p: LoopParts) -> int:
-    """Pages the host KV pool leases for this rollout: engine.host_num_pages, engine.host_pool_mb, or
-    with host_pool_mb="auto" every byte the ledger has free now (the spilled states' DRAM)."""
-    cfg, page_bytes = p.engine.config, p.engine.layout.page_bytes
-    if cfg.host_num_pages is not None:
-        return cfg.host_num_pages
-    if cfg.host_pool_mb == "auto":
+    """Pages the host KV pool leases for this rollout: engine.host_pool_mb's, or with
+    host_pool_mb="auto" every byte the ledger has free now (the spilled states' DRAM)."""
+    host_bytes, page_bytes = p.engine.config.host_pool_bytes, p.engine.layout.page_bytes
+    if host_bytes is None:  # "auto"
         return p.ledger.free // page_bytes if p.ledger is not None else 0
-    return (cfg.host_pool_mb << 20) // page_bytes
+    return host_bytes // page_bytes
 
 
 def _offload_train_state(p: LoopParts) -> None:

@@ -167,7 +167,7 @@ def test_params_are_validated_naming_the_bad_value_and_building_starts_no_pool()
     assert python_exec._SANDBOXES == before and envs[0].sandbox_config.wall_time_s == 3.0
     with open("configs/task/code_reward.yaml") as f:
         task = yaml.safe_load(f)
-    assert task["name"] == "code_reward" and CodeReward(**task["params"]).partial_credit == 0.0
+    assert task["name"] == "code_reward" and CodeReward(**task.get("params", {})).partial_credit == 0.0
 
 
 def test_environments_on_four_threads_share_one_pool_and_are_all_scored_right():

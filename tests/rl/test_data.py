@@ -129,7 +129,7 @@ def test_sampler_resume_continues_the_epoch_and_stops_after_the_last():
 
 
 def test_the_data_command_previews_each_split_and_scores_the_labels(tmp_path, monkeypatch, capsys):
-    from rl.envs.data.__main__ import main
+    from rl.data import main
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "train.jsonl", [{"q": f"{i}+1", "a": str(i + 1)} for i in range(5)])
     write_jsonl(tmp_path / "val.jsonl", [{"q": "9+1", "a": "10"}])
