@@ -124,14 +124,14 @@ def run_mode(args: argparse.Namespace, workers: int) -> tuple[dict[str, float], 
     d = make_driver(args, env)
     LEDGER.clear()
     t0 = time.perf_counter()
-    metrics = d.run_iteration()
-    wall_s = time.perf_counter() - t0
+    result = d.rollout()
+    wall_s, metrics = time.perf_counter() - t0, result.metrics
     if d.runner is not None:
         d.runner.close()
     with LEDGER.lock:
         tool_calls, tool_s = LEDGER.num_tool_calls, LEDGER.tool_s
     trajs = sorted((t.traj_id, tuple(t.tokens), tuple(t.policy), t.reward, tuple(t.answers))
-                   for g in d.take_finished_groups() for t in g)
+                   for g in result.groups for t in g)
     figures = {"wall_s": wall_s, "rollout_s": metrics["rollout_seconds"], "tokens": metrics["rollout_tokens"],
                "finished": float(len(trajs)), "tool_calls": float(tool_calls), "tool_s": tool_s,
                "env_calls": metrics.get("env_calls", float("nan")),  # the worker pool's count (async only)

@@ -6,6 +6,7 @@ from models.tokenizer import load_tokenizer
 from rl.config import compose_run_config
 from rl.envs.data import LABEL, PROMPT, load_rows
 from rl.envs.tasks import make_task
+from rl.episodes.runner import render_prompt
 
 
 def preview(overrides: list[str], say=print, sample_rows: int = 100) -> dict[str, dict[str, float]]:
@@ -20,7 +21,7 @@ def preview(overrides: list[str], say=print, sample_rows: int = 100) -> dict[str
     tokenizer = load_tokenizer(cfg.tokenizer)
 
     def encode(prompt):
-        return tokenizer.render(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        return render_prompt(tokenizer, prompt)
 
     figures = {}
     for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):

@@ -31,6 +31,7 @@ from rl.run.checkpoint import RUN_CONFIG, checkpoint_info
 from rl.config import RunConfig, to_run_config, writable
 from rl.envs.data import load_rows
 from rl.episodes.env_runner import EnvRunner
+from rl.episodes.runner import render_prompt
 from rl.export.cli import pick_checkpoint, run_command
 from rl.episodes.validation import evaluate
 from rollout.engine import Engine
@@ -87,8 +88,7 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
     tokenizer = load_tokenizer(cfg.tokenizer)
     rows = None
     if cfg.data.val_files:
-        rows = load_rows(cfg.data.val_files, cfg.data, lambda p: tokenizer.render(
-            p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
+        rows = load_rows(cfg.data.val_files, cfg.data, lambda p: render_prompt(tokenizer, p)).rows
     model = load_checkpoint(checkpoint, cfg.experiment.torch_dtype)
     engine = Engine(model, cfg.engine, detokenize=tokenizer.decode, seed=cfg.seed)
     runner = EnvRunner(cfg.env.workers, cfg.env.timeout_s) if cfg.env.workers else None  # as the run's

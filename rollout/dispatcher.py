@@ -212,10 +212,13 @@ class Dispatcher:
         return in_flight, backlog
 
     def run(self, on_output: Callable[[RequestOutput], None] | None = None,
-            should_stop: Callable[[], bool] | None = None, background: Background | None = None) -> list[RequestOutput]:
+            should_stop: Callable[[], bool] | None = None, background: Background | None = None,
+            on_step: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Dispatch until the backlog, the follow-ups, the engine and the `background` are all done,
-        or until `should_stop()` (checked before every step) says so, leaving the rest in flight /
-        queued / in the background; returns every finished request's output in completion order."""
+        or until `should_stop()` (checked before every step, a pure decision) says so, leaving the
+        rest in flight / queued / in the background; returns every finished request's output in
+        completion order. `on_step()` (a progress display, say) is called after every engine step,
+        its follow-ups queued, and once more when the run ends."""
         outputs = []
         if self.auto is not None:  # count preemptions from here on (the engine may be new or reused)
             self.auto.last_preemptions = int(self.engine.stats()["preemptions"])
@@ -234,6 +237,8 @@ class Dispatcher:
                         if on_output is not None:
                             on_output(out)
                         self._queue_next(self._finish(out))
+                    if on_step is not None:
+                        on_step()
                 elif background is not None:  # nothing to run: the engine waits on the tools
                     t0 = time.perf_counter()
                     background.wait(0.5)
@@ -244,6 +249,8 @@ class Dispatcher:
                     self.auto.update(self.signals(), hold=kv_bound or not self.backlog)
         finally:
             self._background = None
+        if on_step is not None:
+            on_step()
         return outputs
 
     def _send(self) -> bool:

@@ -11,7 +11,8 @@ tokens they have. They continue either by recompute (a new request whose prompt 
 partial answer, computed under the new weights) or, with `partial_resume="kv"`, by resuming the
 paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
 Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
-(g % world == rank); a group stays on its rank until trained.
+(g % world == rank); a group stays on its rank until trained. The rollout makes no collective call:
+a count over the ranks it needs (max_groups_in_flight's unfinished groups) is the caller's, passed in.
 Faults cost trajectories, never the run. Each of these drops the trajectories it hits, logs one
 line (who, the error, the reason) in `errors` and counts them as `dropped/<reason>` (and in
 `trajectories_dropped`); a fault before a group's first request (its prompt) drops the whole group,
@@ -29,36 +30,28 @@ Data rows: with a `RowSampler` (rl/envs/data.py), global group g takes the sampl
 deterministic order (every rank advances over every global group, so ranks agree without talking);
 an environment whose `reset` takes `row` receives it, and a prompt given as chat messages is
 rendered as they are. The sampler's position is part of the driver's checkpoint state.
+The episode's conversions (first prompt with the task's tool schemas, answer text, step results,
+requests) are rl/episodes/runner.py's, shared with validation; the environments and every call to
+them are rl/episodes/env_calls.py's (`EnvCalls`, the driver's `calls`).
 """
 from __future__ import annotations
 
 import inspect
-import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from rl.episodes.cache_metrics import cache_metrics
 from rl.envs.data import DataExhausted, RowSampler
+from rl.envs.tasks.base import make_task, resolve_task
+from rl.episodes.cache_metrics import cache_metrics
 from rl.episodes.driver_config import DriverConfig
-from rl.episodes.env_runner import (DROP_REASONS, Dropped, EnvConfig, EnvRunner, EnvTimeout,  # noqa: F401 (re-exported)
-                           call_with_timeout)
-from rl.envs.tasks.base import Environment, make_task, resolve_task
-from rl.episodes.env_calls import EnvCallMethods, EnvCalls
+from rl.episodes.env_calls import CallEnded, EnvCalls
+from rl.episodes.env_runner import DROP_REASONS, Dropped, EnvConfig
+from rl.episodes.runner import EpisodeRunner, mix_seed
 from rl.episodes.trajectory import Trajectory
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
-from rollout.engine import ContextTooLong, Engine
+from rollout.engine import Engine
 from rollout.request import RequestOutput, SampleOutput
 from rollout.sampling import SamplingParams
-
-
-def mix_seed(*parts: int) -> int:
-    """A deterministic 62-bit seed from integers (SplitMix64-style), independent of PYTHONHASHSEED."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x >> 2
 
 
 @dataclass
@@ -81,11 +74,26 @@ class TurnEnd:
                                      f"a prefix of the trajectory's tokens: what the trainer scores would differ "
                                      f"from what the engine saw")
             self.driver._append(t, sample, self.stats)
-            if self.driver.runner is not None:  # the environment's step runs on a worker; its end comes back
-                self.driver._submit_step(t, self.stats)  # through `collect` (EnvCalls)
-            elif self.driver._end_turn(t, self.stats):
-                nxt += self.driver._admissible([t], self.stats)
+            nxt += self.driver._end_turn(t, self.stats)
         return nxt
+
+
+@dataclass
+class EnvBackground:
+    """The dispatcher's `Background` (rollout/dispatcher.py): the driver's environment calls on its
+    worker pool; each one that ended is applied on the driver's thread, its requests returned."""
+
+    driver: "RolloutDriver"
+
+    @property
+    def pending(self) -> int:
+        return self.driver.calls.pending
+
+    def wait(self, timeout_s: float) -> None:
+        self.driver.calls.wait(timeout_s)
+
+    def collect(self) -> list[Submission]:
+        return [sub for ended in self.driver.calls.collect() for sub in self.driver._call_ended(ended)]
 
 
 def _continued(sub: Submission) -> list[Trajectory]:
@@ -95,13 +103,25 @@ def _continued(sub: Submission) -> list[Trajectory]:
     return sub.follow_up.trajs
 
 
-class RolloutDriver(EnvCallMethods):
+@dataclass
+class RolloutResult:
+    """What one rollout (`RolloutDriver.rollout`) hands the loop."""
+    groups: list[list[Trajectory]]
+    """The groups all of whose (not dropped) members are done, in group order (`take_finished_groups`)."""
+    metrics: dict[str, float]
+    """The iteration's rollout metrics (`run_iteration`)."""
+    errors: list[str] = field(default_factory=list)
+    """One line per drop (or failure scored) since the last rollout: who, the error, the reason."""
+
+
+class RolloutDriver:
     """Runs iterations of trajectory generation against one engine; its state (carried-over and
-    finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint."""
+    finished-but-ungrouped trajectories, counters) is plain data saved with each checkpoint. Its
+    parts: `episodes` (an EpisodeRunner: prompts, answers, step results, requests) and `calls` (the
+    environments and every call to them, inline or on the worker pool `runner`)."""
 
     def __init__(self, engine: Engine, tokenizer, task_name: str, task_params: dict, config: DriverConfig, *,
-                 group_size: int, seed: int, rank: int = 0, world: int = 1,
-                 sum_over_ranks: Callable[[int], int] | None = None, rows: RowSampler | None = None,
+                 group_size: int, seed: int, rank: int = 0, world: int = 1, rows: RowSampler | None = None,
                  env: EnvConfig = EnvConfig()) -> None:
         """config.groups_per_iteration counts global groups; with `world` > 1 ranks this driver
         generates only the groups g with g % world == rank (every seed derives from the run `seed`
@@ -112,10 +132,7 @@ class RolloutDriver(EnvCallMethods):
         worker threads while the engine steps; timeouts, retries, the failure policy)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
-        if world > 1 and config.max_groups_in_flight is not None and sum_over_ranks is None:
-            raise ValueError("max_groups_in_flight on several ranks needs sum_over_ranks (the global count)")
-        self.config, self.sum_over_ranks = config, sum_over_ranks
-        """sum_over_ranks(n): n summed over the ranks, a collective every rank calls (max_groups_in_flight)."""
+        self.config = config
         self.engine, self.tokenizer = engine, tokenizer
         self.rank, self.world = rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
@@ -124,12 +141,13 @@ class RolloutDriver(EnvCallMethods):
         except TypeError as err:
             raise ValueError(f"task {task_name!r} rejects params {self.task_params}: {err}") from None
         self.rows = rows
-        self.pass_row = rows is not None and "row" in inspect.signature(probe.reset).parameters
-        """The data row is passed to `reset` (a data source is set and the task's reset takes `row`)."""
-        tools = getattr(probe, "tools", None)
-        self.tools = tools.schemas() if hasattr(tools, "schemas") else tools
-        """The tool schemas the task exposes (its `tools`: a ToolRegistry or a list of OpenAI-style
-        function schemas), handed to the chat template with every first prompt; None without."""
+        self.episodes = EpisodeRunner.for_task(engine, tokenizer, probe)
+        """The episode's conversions (first prompt with the task's tool schemas, answer text, step
+        results, requests with the engine's context check), shared with validation."""
+        pass_row = rows is not None and "row" in inspect.signature(probe.reset).parameters
+        self.calls = EnvCalls(task_name, self.task_params, env, seed=seed, rows=rows, pass_row=pass_row)
+        self.runner = self.calls.pool
+        """The worker pool of environment calls (env.workers > 0), else None: calls run inline."""
         self.data_exhausted = False
         """The sampler ran out (DataExhausted): no new groups start; the caller ends the run when
         the driver has nothing left in flight."""
@@ -140,92 +158,41 @@ class RolloutDriver(EnvCallMethods):
         self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                          "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
         self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
-        self.partial_resume, self.env_timeout_s, self.env_config = config.partial_resume, env.timeout_s, env
+        self.partial_resume, self.env_timeout_s = config.partial_resume, env.timeout_s
         factory = resolve_task(task_name)  # a task's own failure policy wins over the env group's
         self.on_failure = getattr(factory, "on_failure", env.on_failure)
         self.failure_reward = float(getattr(factory, "failure_reward", env.failure_reward))
         if self.on_failure not in ("drop", "score"):
             raise ValueError(f"task {task_name!r}: on_failure={self.on_failure!r}, expected 'drop' or 'score'")
-        self.runner = EnvRunner(env.workers, env.timeout_s) if env.workers else None
-        """The worker pool of environment calls (env.workers > 0), else None: calls run inline."""
         self.budget_tokens = None if config.budget_tokens is None else -(-config.budget_tokens // world)
         self.budget_seconds = config.budget_seconds
         self.next_group = 0
         self.carry: list[Trajectory] = []  # unfinished, carried over to the next iteration
         self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members
         self.group_sizes: dict[int, int] = {}  # group -> members not dropped
-        self.envs: dict[str, Environment] = {}
         self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
         self.errors: list[str] = []
         """One line per drop since the orchestrator last read them: who, the error, the reason."""
 
-    # ---- guarded calls: a fault becomes `Dropped` ------------------------------------------------------
-    def _env_call(self, what: str, fn: Callable, *args) -> object:
-        """`fn(*args)`, an environment call under `env_timeout_s`; raises Dropped("timeout" or "env_error")."""
-        try:
-            return call_with_timeout(lambda: fn(*args), self.env_timeout_s, what)
-        except EnvTimeout as err:
-            raise Dropped("timeout", err) from err
-        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
-            raise Dropped("env_error", err) from err
-
-    def _tokenizer_call(self, fn: Callable, *args, **kwargs) -> object:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:  # noqa: BLE001
-            raise Dropped("tokenizer", err) from err
-
-    @staticmethod
-    def _reward(reward: object) -> float:
-        """The step's reward as a float; Dropped("bad_reward") unless it is a finite number."""
-        try:
-            value = float(reward)
-        except (TypeError, ValueError) as err:
-            raise Dropped("bad_reward", err) from err
-        if not math.isfinite(value):
-            raise Dropped("bad_reward", ValueError(f"reward={value}, expected a finite number"))
-        return value
-
-    # ---- environments and requests ---------------------------------------------------------------------
-    def _env(self, traj: Trajectory) -> Environment:
-        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume).
-        Raises Dropped."""
-        env = self.envs.get(traj.traj_id)
-        if env is None:
-            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
-            self._reset(env, traj.group_id, traj.row_index)
-            for answer in traj.answers:
-                self._env_call("step (replay)", env.step, answer)
-            self.envs[traj.traj_id] = env
-        return env
-
-    def _episode_seed(self, group: int) -> int:
-        """The seed of global group `group`'s episode (the same on every rank)."""
-        return mix_seed(self.seed, group)
-
-    def _reset(self, env: Environment, group: int, row_index: int | None) -> object:
-        """env.reset for group `group`, with its data row when the task takes one. Raises Dropped."""
-        return self._env_call("reset", self._reset_call(env, group, row_index))
-
+    # ---- requests and turns ----------------------------------------------------------------------------
     def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
         """The request continuing `trajs` (one group's first turn, or one trajectory), its follow-up a
-        `TurnEnd` on them; the turn boundaries let the engine's prefix cache keep a checkpoint at each turn."""
+        `TurnEnd` on them; the turn boundaries let the engine's prefix cache keep a checkpoint at each
+        turn. Raises Dropped("too_long") when the engine refuses its context."""
         traj = trajs[0]
         remaining = max(1, self.max_new_tokens - traj.num_generated_in_turn)
         seed = mix_seed(self.seed, traj.group_id, traj.member, len(traj.answers), traj.num_generated_in_turn)
         params = SamplingParams(n=len(trajs), max_new_tokens=remaining, seed=seed, **self.sampling)
-        return Submission(list(traj.tokens), params, TurnEnd(self, trajs, stats), tuple(traj.turn_boundaries))
+        return self.episodes.submission(traj.tokens, params, TurnEnd(self, trajs, stats), traj.turn_boundaries)
 
     def _admissible(self, trajs: list[Trajectory], stats: dict) -> list[Submission]:
         """[the request continuing `trajs`], or [] when the engine refuses its context
         (`Engine.check_context`): then `trajs` are dropped, with one logged line and counted."""
-        request = self._request(trajs, stats)
         try:
-            self.engine.check_context(len(request.prompt))
-        except ContextTooLong as err:  # the message names the tokens, the limit, the pages
-            self._drop(trajs, Dropped("too_long", err), stats)
+            return [self._request(trajs, stats)]
+        except Dropped as fault:
+            self._drop(trajs, fault, stats)
             return []
-        return [request]
 
     @staticmethod
     def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
@@ -235,51 +202,82 @@ class RolloutDriver(EnvCallMethods):
         traj.versions += sample.versions
         stats["tokens"] += len(sample.tokens)
 
-    def _answer(self, traj: Trajectory) -> str:
-        """The finished turn's answer text (eos left out, cut before a stop string). Raises Dropped."""
-        eos = self.engine.model.config.eos_token_id
-        return self._tokenizer_call(self.tokenizer.answer_text, [t for t in traj.tokens[traj.turn_start:] if t != eos])
+    def _end_turn(self, traj: Trajectory, stats: dict) -> list[Submission]:
+        """The trajectory's turn was sampled: its step inline (retried per the env group), then the
+        next turn's request when one follows; or, with a worker pool, the step handed there (its end
+        comes back through `EnvBackground`)."""
+        try:
+            answer = self.episodes.answer_text(traj.tokens[traj.turn_start:])
+            if self.runner is not None:
+                self.calls.submit_step(traj, answer, stats)
+                return []
+            env, result = self.calls.step(traj, answer, stats)
+        except Dropped as fault:
+            self._fail(traj, fault, stats)
+            return []
+        return self._admissible([traj], stats) if self._apply(traj, answer, env.max_turns, result, stats) else []
 
-    def _apply(self, traj: Trajectory, answer: str, env: Environment, result: object, stats: dict) -> bool:
+    def _call_ended(self, ended: CallEnded) -> list[Submission]:
+        """A worker-pool call ended for good (`EnvCalls.collect`): its result applied, the next request."""
+        if ended.kind == "reset":
+            if ended.fault is not None:
+                self._drop(ended.trajs, ended.fault, ended.stats)  # no prompt, no group: never scored
+                return []
+            return self._first_request(ended.trajs, ended.value, ended.stats)
+        traj = ended.trajs[0]
+        if ended.fault is not None:
+            self._fail(traj, ended.fault, ended.stats)
+            return []
+        applied = self._apply(traj, ended.answer, ended.env.max_turns, ended.value, ended.stats)
+        return self._admissible([traj], ended.stats) if applied else []
+
+    def _apply(self, traj: Trajectory, answer: str, max_turns: int, result: object, stats: dict) -> bool:
         """The turn's StepResult applied to `traj`: reward, observation tokens, or the episode's end;
         True when another turn follows."""
         try:
-            try:
-                raw_reward, done, observation = result.reward, result.done, result.observation
-                components, is_correct = dict(getattr(result, "components", {})), getattr(result, "is_correct", None)
-            except AttributeError as err:
-                raise Dropped("env_error", TypeError(f"step returned {result!r}, expected a StepResult")) from err
-            reward = self._reward(raw_reward)
-            last = bool(done) or len(traj.answers) + 1 >= env.max_turns
-            role = getattr(result, "role", "user")  # a tool's reply renders in the template's tool turn
-            obs = [] if last else self._tokenizer_call(self.tokenizer.continue_turn, observation, role)
+            turn = self.episodes.outcome(result, len(traj.answers) + 1, max_turns)
         except Dropped as fault:
             self._drop([traj], fault, stats)
             return False
         traj.answers.append(answer)
-        traj.reward += reward
-        for name, value in components.items():
+        traj.reward += turn.reward
+        for name, value in turn.components.items():
             traj.components[name] = traj.components.get(name, 0.0) + float(value)
-        if is_correct is not None:
-            traj.is_correct = bool(is_correct)
-        if last:
+        if turn.is_correct is not None:
+            traj.is_correct = bool(turn.is_correct)
+        if turn.last:
             self._finish(traj, stats)
             return False
-        traj.tokens += obs
-        traj.policy += [False] * len(obs)
-        traj.logprobs += [0.0] * len(obs)
-        traj.versions += [-1] * len(obs)
+        traj.tokens += turn.observation
+        traj.policy += [False] * len(turn.observation)
+        traj.logprobs += [0.0] * len(turn.observation)
+        traj.versions += [-1] * len(turn.observation)
         traj.turn_boundaries.append(len(traj.tokens))
         traj.turn_start = len(traj.tokens)
         return True
 
     def _finish(self, traj: Trajectory, stats: dict) -> None:
         traj.done = True
-        self.envs.pop(traj.traj_id, None)
+        self.calls.forget(traj.traj_id)
         self.waiting.setdefault(traj.group_id, []).append(traj)
         stats["finished"] += 1
         for name, value in traj.components.items():
             stats["components"][name] = stats["components"].get(name, 0.0) + value
+
+    def _fail(self, traj: Trajectory, fault: Dropped, stats: dict) -> None:
+        """A turn's answer or environment call failed for good: drop the trajectory, or, for an
+        environment call (timeout, env_error) under on_failure=score, end its episode with
+        failure_reward (it trains; one logged line either way)."""
+        if self.on_failure == "drop" or fault.reason not in ("timeout", "env_error"):
+            self._drop([traj], fault, stats)
+            return
+        self.errors.append(f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1}): "
+                           f"{fault} (scored {self.failure_reward:g}: on_failure=score)")
+        stats["env_failures_scored"] += 1
+        self.calls.forget(traj.traj_id)
+        traj.answers.append("")
+        traj.reward += self.failure_reward
+        self._finish(traj, stats)
 
     def _drop(self, trajs: list[Trajectory], fault: Dropped, stats: dict) -> None:
         """Take `trajs` (one trajectory, or a whole group before its first request) out of their group,
@@ -290,7 +288,7 @@ class RolloutDriver(EnvCallMethods):
                else f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1})")
         self.errors.append(f"{who}: {fault} (reason: {fault.reason})")
         for t in trajs:
-            self.envs.pop(t.traj_id, None)
+            self.calls.forget(t.traj_id)
             self.group_sizes[t.group_id] -= 1
             stats[f"dropped/{fault.reason}"] += 1
             if not self.group_sizes[t.group_id]:
@@ -301,16 +299,81 @@ class RolloutDriver(EnvCallMethods):
         """New groups this rank starts in the next `run_iteration` (its share of the global ones)."""
         return sum(g % self.world == self.rank for g in range(self.next_group, self.next_group + self.groups_per_iteration))
 
+    @property
+    def unfinished_groups(self) -> int:
+        """This rank's groups started and not yet taken (`take_finished_groups`): carried over, in
+        flight or finished and waiting; a group whose every member was dropped is not counted."""
+        return len(self.group_sizes)
+
     # ---- one iteration ---------------------------------------------------------------------------------
-    def run_iteration(self, progress=None) -> dict[str, float]:
+    def rollout(self, progress=None, groups_in_flight: int | None = None) -> RolloutResult:
+        """One iteration (`run_iteration`), then its finished groups (`take_finished_groups`) and the
+        error lines logged since the last rollout (`errors`, emptied)."""
+        metrics = self.run_iteration(progress, groups_in_flight=groups_in_flight)
+        errors, self.errors = self.errors, []
+        return RolloutResult(self.take_finished_groups(), metrics, errors)
+
+    def run_iteration(self, progress=None, *, groups_in_flight: int | None = None) -> dict[str, float]:
         """Continue carried-over trajectories, start this iteration's new groups, stop at the budget.
-        Returns rollout metrics; finished groups are then collected with `take_finished_groups`."""
+        Returns rollout metrics; finished groups are then collected with `take_finished_groups`.
+        `progress`: a bar with `update(finished, tokens, pool_utilization, concurrency)`, updated after
+        every engine step. `groups_in_flight`: the unfinished groups over all ranks (each rank's
+        `unfinished_groups`, summed at the phase boundary before the rollout: the same number on
+        every rank), which config.max_groups_in_flight caps; needed on several ranks with that cap
+        (the rollout makes no collective call); one rank counts its own when it is None."""
+        if self.world > 1 and self.config.max_groups_in_flight is not None and groups_in_flight is None:
+            raise ValueError(f"max_groups_in_flight={self.config.max_groups_in_flight} on {self.world} ranks: "
+                             f"run_iteration needs groups_in_flight (the unfinished groups summed over the ranks)")
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
         stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS},
                  "env_retries": 0, "env_timeouts": 0, "env_failures_scored": 0}
         calls_before, busy_before = (self.runner.num_calls, self.runner.busy_seconds) if self.runner else (0, 0.0)
+        self._resubmit_carry(dispatcher, stats)
+        self._start_new_groups(dispatcher, groups_in_flight, stats)
+        t0, generated_before = time.perf_counter(), self.engine.num_generated
+        counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
+
+        def should_stop() -> bool:
+            generated = self.engine.num_generated - generated_before  # sampled so far, finished or not
+            return ((self.budget_tokens is not None and generated >= self.budget_tokens)
+                    or (self.budget_seconds is not None and time.perf_counter() - t0 >= self.budget_seconds))
+
+        def show_progress() -> None:
+            progress.update(stats["finished"], self.engine.num_generated - generated_before,
+                            self.engine.stats()["pool_utilization"], dispatcher.limit)
+
+        dispatcher.run(should_stop=should_stop, background=EnvBackground(self) if self.runner is not None else None,
+                       on_step=show_progress if progress is not None else None)
+        self._stop_unfinished(dispatcher, stats)
+        if dispatcher.auto is not None:
+            self.auto_limit = dispatcher.auto.limit
+        seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
+        cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
+        return {**cache, **self._iteration_metrics(dispatcher, stats, seconds, generated, calls_before, busy_before)}
+
+    def _iteration_metrics(self, dispatcher: Dispatcher, stats: dict, seconds: float, generated: int,
+                           calls_before: int, busy_before: float) -> dict[str, float]:
+        dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
+        env_calls = {"env_retries": float(stats["env_retries"]), "env_timeouts": float(stats["env_timeouts"]),
+                     "env_failures_scored": float(stats["env_failures_scored"]),
+                     # the engine's share of the rollout's wall time, and the environments' work done off it
+                     "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
+                     **({"env_calls": float(self.runner.num_calls - calls_before),
+                         "env_busy_seconds": self.runner.busy_seconds - busy_before} if self.runner else {})}
+        return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
+                "rollout_tok_s": generated / max(seconds, 1e-9),
+                "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
+                # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
+                **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
+                **dropped, "trajectories_dropped": sum(dropped.values()), **env_calls,
+                # the names before the drops had reasons, kept for older readers
+                "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
+
+    def _resubmit_carry(self, dispatcher: Dispatcher, stats: dict) -> None:
+        """The carried-over trajectories back in flight: paused requests (partial_resume="kv")
+        resumed and adopted, the others resubmitted (recompute)."""
         carry, self.carry = self.carry, []
         paused: dict[str, list[Trajectory]] = {}  # kept-KV requests (partial_resume="kv") -> their trajectories
         for traj in carry:
@@ -322,8 +385,12 @@ class RolloutDriver(EnvCallMethods):
                     dispatcher.add(request)
         for request_id, trajs in paused.items():
             self.engine.resume(request_id)
-            dispatcher.adopt(request_id, self._request(trajs, stats))
-        for _ in range(self._new_groups()):
+            dispatcher.adopt(request_id, self._request(trajs, stats))  # admitted before: it fits
+
+    def _start_new_groups(self, dispatcher: Dispatcher, groups_in_flight: int | None, stats: dict) -> None:
+        """This iteration's new global groups, this rank's share started (each global group takes the
+        next data row on every rank)."""
+        for _ in range(self._new_groups(groups_in_flight)):
             row_index = None
             if self.rows is not None:
                 try:
@@ -340,52 +407,18 @@ class RolloutDriver(EnvCallMethods):
                 self.rows[self.rows.position]
             except DataExhausted:
                 self.data_exhausted = True
-        t0, generated_before = time.perf_counter(), self.engine.num_generated
-        counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
-
-        def should_stop() -> bool:
-            generated = self.engine.num_generated - generated_before  # sampled so far, finished or not
-            if progress is not None:
-                signals = self.engine.stats()
-                progress.update(stats["finished"], generated, signals["pool_utilization"], dispatcher.limit)
-            return ((self.budget_tokens is not None and generated >= self.budget_tokens)
-                    or (self.budget_seconds is not None and time.perf_counter() - t0 >= self.budget_seconds))
-
-        dispatcher.run(should_stop=should_stop, background=EnvCalls(self) if self.runner is not None else None)
-        should_stop()  # the progress bar's final state
-        self._stop_unfinished(dispatcher, stats)
-        if dispatcher.auto is not None:
-            self.auto_limit = dispatcher.auto.limit
-        seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
-        dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
-        env_calls = {"env_retries": float(stats["env_retries"]), "env_timeouts": float(stats["env_timeouts"]),
-                     "env_failures_scored": float(stats["env_failures_scored"]),
-                     # the engine's share of the rollout's wall time, and the environments' work done off it
-                     "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
-                     **({"env_calls": float(self.runner.num_calls - calls_before),
-                         "env_busy_seconds": self.runner.busy_seconds - busy_before} if self.runner else {})}
-        cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
-        return {**cache, "rollout_seconds": seconds, "rollout_tokens": float(generated),
-                "rollout_tok_s": generated / max(seconds, 1e-9),
-                "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
-                # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
-                **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
-                **dropped, "trajectories_dropped": sum(dropped.values()), **env_calls,
-                # the names before the drops had reasons, kept for older readers
-                "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
 
     def _start_group(self, dispatcher: Dispatcher, group: int, row_index: int | None, stats: dict) -> None:
         """Group `group`'s trajectories and its first request (one prompt, n = group_size); with a
-        worker pool the environment's reset runs there and the request follows from `_reset_done`."""
+        worker pool the environment's reset runs there and the request follows from `_call_ended`."""
         trajs = [Trajectory(f"{group}/{m}", group, m, [], [], [], [], 0, row_index=row_index)
                  for m in range(self.group_size)]
         self.group_sizes[group] = self.group_size
         if self.runner is not None:
-            self.runner.submit(("reset", trajs, 0, stats), lambda: self._reset_job(group, row_index))
+            self.calls.submit_reset(trajs, stats)
             return
         try:  # the group's prompt: a fault here drops the whole group
-            env = self._env_call("task factory", lambda: make_task(self.task_name, **self.task_params))
-            text = self._reset(env, group, row_index)
+            text = self.calls.first_prompt(group, row_index)
         except Dropped as fault:
             self._drop(trajs, fault, stats)
             return
@@ -395,8 +428,7 @@ class RolloutDriver(EnvCallMethods):
     def _first_request(self, trajs: list[Trajectory], text: object, stats: dict) -> list[Submission]:
         """The group's prompt rendered into every member, and its request (or [] when refused)."""
         try:
-            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
-            prompt = self._tokenizer_call(self.tokenizer.render, messages, tools=self.tools)
+            prompt = self.episodes.first_prompt(text)
         except Dropped as fault:
             self._drop(trajs, fault, stats)
             return []
@@ -405,15 +437,13 @@ class RolloutDriver(EnvCallMethods):
             t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
         return self._admissible(trajs, stats)
 
-    def _new_groups(self) -> int:
+    def _new_groups(self, groups_in_flight: int | None) -> int:
         """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
-        less the unfinished ones (over all ranks: the same number on every rank)."""
+        less the unfinished ones (`groups_in_flight`, over all ranks; this rank's own by default)."""
         cap = self.config.max_groups_in_flight
         if cap is None:
             return self.groups_per_iteration
-        unfinished = len(self.group_sizes)
-        if self.world > 1:
-            unfinished = self.sum_over_ranks(unfinished)
+        unfinished = self.unfinished_groups if groups_in_flight is None else groups_in_flight
         return max(0, min(self.groups_per_iteration, cap - unfinished))
 
     def _stop_unfinished(self, dispatcher: Dispatcher, stats: dict) -> None:
@@ -422,7 +452,7 @@ class RolloutDriver(EnvCallMethods):
         in_flight, backlog = dispatcher.clear()
         while self.runner is not None and self.runner.pending:  # turns whose environment call is out:
             self.runner.wait(0.5)  # their next request is known once it ends (bounded by env.timeout_s)
-            for sub in EnvCalls(self).collect():
+            for sub in EnvBackground(self).collect():
                 self.carry += _continued(sub)
         for request_id, sub in in_flight:
             out, trajs = self.engine.output(request_id), _continued(sub)
@@ -459,6 +489,6 @@ class RolloutDriver(EnvCallMethods):
         self.carry = [Trajectory(**t) for t in state["carry"]]
         self.waiting = {int(g): [Trajectory(**t) for t in ts] for g, ts in state["waiting"].items()}
         self.group_sizes = {int(g): n for g, n in state["group_sizes"].items()}
-        self.envs = {}
+        self.calls.envs.clear()
         if self.rows is not None:  # a checkpoint from before the data source (no "rows"): position 0
             self.rows.load_state_dict(state.get("rows") or {"epoch": 0, "index": 0})

@@ -1,108 +1,154 @@
-"""The rollout driver's environment calls (a mixin of rl/episodes/driver.py's RolloutDriver).
+"""The rollout driver's environment calls: `EnvCalls`, a component the driver (rl/episodes/driver.py) owns.
 
-A finished turn is scored inline, with retries (env.workers = 0), or handed to the worker pool
-(rl/episodes/env_runner.py) while the engine keeps stepping the other requests; its result is applied on the
-driver's thread when `EnvCalls.collect` (the dispatcher's Background) finds it ended. A group's first
-prompt (its environment's reset) goes the same way. A call that fails for good (after
-env.max_retries retries, each on a fresh environment replayed to the turn) drops its trajectory, or
-with on_failure=score ends its episode with the failure reward. Worker jobs touch no driver state:
-they read the trajectory (not modified while its call is out) and return what the driver applies.
+It holds the trajectories' environments (one per trajectory, built by the task's factory, reset to
+its group's episode seed and data row, and rebuilt by replaying the finished turns when missing:
+after a resume, or a failed call) and makes every call to them, under `env.timeout_s`. A turn's
+step runs inline, with retries (env.workers = 0), or on the worker pool (rl/episodes/env_runner.py)
+while the engine keeps stepping the other requests; a group's first prompt (a reset) goes the same
+way. A retry (up to env.max_retries, after the env group's backoff) runs on a fresh environment
+replayed to the turn: a failed one's state is unknown, so it is never reused. What the calls end
+with goes back to the driver, which alone touches trajectories, the tokenizer and the dispatcher:
+inline calls return their result or raise `Dropped`; pool calls come back from `collect` as
+`CallEnded`, once their retries are spent. Worker jobs touch no state of the driver's or of this
+object's: they read the trajectory (not modified while its call is out) and return what the
+driver applies.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rl.episodes.env_runner import Dropped, EnvTimeout, resolve
 from rl.envs.tasks.base import Environment, make_task
+from rl.episodes.env_runner import Dropped, EnvConfig, EnvRunner, EnvTimeout, call_with_timeout, resolve
+from rl.episodes.runner import mix_seed
 from rl.episodes.trajectory import Trajectory
-from rollout.dispatcher import Submission
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
+class CallEnded:
+    """A call on the worker pool: submitted with what it is for; `collect` hands it back once it
+    ended for good (it returned, or its last retry failed), with `value` or `fault` set."""
+    kind: str
+    """"reset" (a group's first prompt) or "step" (a turn's answer scored)."""
+    trajs: list[Trajectory]
+    """The group (reset) or the one trajectory (step) the call is for."""
+    stats: dict
+    """The iteration's counters its retries and timeouts are counted in."""
+    answer: str = ""
+    """The answer stepped on (step)."""
+    attempt: int = 0
+    value: object = None
+    """What the call returned: the prompt (reset) or the StepResult (step); None after a fault."""
+    fault: Dropped | None = None
+    """Why the call failed after its retries ("timeout" or "env_error"); None when it returned."""
+    env: Environment | None = None
+    """The environment that stepped, now at the next turn (step, when it returned)."""
+
+
 class EnvCalls:
-    """The dispatcher's `Background` (rollout/dispatcher.py): the driver's environment calls on its
-    worker pool; a collected call is applied on the driver's thread (`_step_done`, `_reset_done`)."""
+    """The environments of one driver's trajectories and its calls to them (module docstring).
+    `stats` arguments are the iteration's counters: env_retries and env_timeouts are counted there."""
 
-    driver: "EnvCallMethods"
-    """The RolloutDriver (rl/episodes/driver.py) whose calls these are."""
+    def __init__(self, task_name: str, task_params: dict, config: EnvConfig, *, seed: int,
+                 rows=None, pass_row: bool = False) -> None:
+        """`seed`: the run's; group g's episode is `reset(mix_seed(seed, g))`, with `row=rows[i]` for
+        the group's data row i when `pass_row`."""
+        self.task_name, self.task_params, self.config = task_name, task_params, config
+        self.seed, self.rows, self.pass_row = seed, rows, pass_row
+        self.pool = EnvRunner(config.workers, config.timeout_s) if config.workers else None
+        """The worker pool (env.workers > 0), else None: every call runs inline."""
+        self.envs: dict[str, Environment] = {}
+        """Trajectory id -> its environment, at the trajectory's current turn."""
 
-    @property
-    def pending(self) -> int:
-        return self.driver.runner.pending
-
-    def wait(self, timeout_s: float) -> None:
-        self.driver.runner.wait(timeout_s)
-
-    def collect(self) -> list[Submission]:
-        out: list[Submission] = []
-        for key, value in self.driver.runner.collect():
-            out += (self.driver._step_done if key[0] == "step" else self.driver._reset_done)(key, value)
-        return out
-
-
-class EnvCallMethods:
-    """RolloutDriver's environment-call methods (they use its runner, envs, env_config and stats)."""
-
-    # ---- inline (env.workers = 0) ----------------------------------------------------------------------
-    def _end_turn(self, traj: Trajectory, stats: dict) -> bool:
-        """Score the finished turn inline, retrying per the env group; True when another turn follows."""
+    # ---- the environments ------------------------------------------------------------------------------
+    def guarded(self, what: str, fn: Callable, *args) -> object:
+        """`fn(*args)`, an environment call under env.timeout_s; raises Dropped("timeout" or "env_error")."""
         try:
-            answer = self._answer(traj)
-        except Dropped as fault:
-            self._drop([traj], fault, stats)
-            return False
-        for attempt in range(self.env_config.max_retries + 1):
-            if attempt:  # a fresh environment, replayed to this turn: the failed one's state is unknown
-                time.sleep(self.env_config.retry_delay(attempt))
-                self.envs.pop(traj.traj_id, None)
-                stats["env_retries"] += 1
-            try:
-                env = self._env(traj)
-                result = self._env_call("step", env.step, answer)
-                break
-            except Dropped as fault:
-                stats["env_timeouts"] += fault.reason == "timeout"
-                failure = fault
-        else:
-            self._fail(traj, failure, stats)
-            return False
-        return self._apply(traj, answer, env, result, stats)
+            return call_with_timeout(lambda: fn(*args), self.config.timeout_s, what)
+        except EnvTimeout as err:
+            raise Dropped("timeout", err) from err
+        except Exception as err:  # noqa: BLE001 - a broken environment must not stop the run
+            raise Dropped("env_error", err) from err
 
-    def _fail(self, traj: Trajectory, fault: Dropped, stats: dict) -> None:
-        """An environment call failed for good: drop the trajectory, or under on_failure=score end its
-        episode with failure_reward (it trains; one logged line either way)."""
-        if self.on_failure == "drop" or fault.reason not in ("timeout", "env_error"):
-            self._drop([traj], fault, stats)
-            return
-        self.errors.append(f"trajectory {traj.traj_id} (group {traj.group_id}, turn {len(traj.answers) + 1}): "
-                           f"{fault} (scored {self.failure_reward:g}: on_failure=score)")
-        stats["env_failures_scored"] += 1
-        self.envs.pop(traj.traj_id, None)
-        traj.answers.append("")
-        traj.reward += self.failure_reward
-        self._finish(traj, stats)
+    def episode_seed(self, group: int) -> int:
+        """The seed of global group `group`'s episode (the same on every rank)."""
+        return mix_seed(self.seed, group)
 
     def _reset_call(self, env: Environment, group: int, row_index: int | None) -> Callable[[], object]:
         """env.reset for group `group` as a call, with the data row when the task takes one."""
         if self.pass_row and row_index is not None:
-            return lambda: env.reset(self._episode_seed(group), row=self.rows[row_index])
-        return lambda: env.reset(self._episode_seed(group))
+            return lambda: env.reset(self.episode_seed(group), row=self.rows[row_index])
+        return lambda: env.reset(self.episode_seed(group))
+
+    def _new_env(self) -> Environment:
+        return self.guarded("task factory", lambda: make_task(self.task_name, **self.task_params))
+
+    def first_prompt(self, group: int, row_index: int | None) -> object:
+        """Group `group`'s first prompt: a fresh environment's reset (inline). Raises Dropped."""
+        return self.guarded("reset", self._reset_call(self._new_env(), group, row_index))
+
+    def env(self, traj: Trajectory) -> Environment:
+        """The trajectory's environment, rebuilt by replaying its finished turns when missing (resume).
+        Raises Dropped."""
+        env = self.envs.get(traj.traj_id)
+        if env is None:
+            env = self._new_env()
+            self.guarded("reset", self._reset_call(env, traj.group_id, traj.row_index))
+            for answer in traj.answers:
+                self.guarded("step (replay)", env.step, answer)
+            self.envs[traj.traj_id] = env
+        return env
+
+    def forget(self, traj_id: str) -> None:
+        """The trajectory's environment is not used again (its episode ended, or it was dropped)."""
+        self.envs.pop(traj_id, None)
+
+    # ---- inline (env.workers = 0) ----------------------------------------------------------------------
+    def step(self, traj: Trajectory, answer: str, stats: dict) -> tuple[Environment, object]:
+        """Step the trajectory's environment on `answer`, retrying per the env group: (the environment,
+        the step's result). Raises the last Dropped when every attempt failed."""
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:  # a fresh environment, replayed to this turn: the failed one's state is unknown
+                time.sleep(self.config.retry_delay(attempt))
+                self.forget(traj.traj_id)
+                stats["env_retries"] += 1
+            try:
+                env = self.env(traj)
+                return env, self.guarded("step", env.step, answer)
+            except Dropped as fault:
+                stats["env_timeouts"] += fault.reason == "timeout"
+                failure = fault
+        raise failure
 
     # ---- on the worker pool (env.workers > 0) ----------------------------------------------------------
-    def _submit_step(self, traj: Trajectory, stats: dict, attempt: int = 0, answer: str | None = None) -> None:
-        """Hand the turn's step to a worker (after the retry delay for attempt > 0); its end comes
-        back through `EnvCalls.collect` -> `_step_done`."""
-        if answer is None:
-            try:
-                answer = self._answer(traj)
-            except Dropped as fault:
-                self._drop([traj], fault, stats)
-                return
+    @property
+    def pending(self) -> int:
+        """Pool calls out (submitted, not yet collected)."""
+        return self.pool.pending
+
+    def wait(self, timeout_s: float) -> None:
+        self.pool.wait(timeout_s)
+
+    def submit_reset(self, trajs: list[Trajectory], stats: dict, attempt: int = 0) -> None:
+        """Hand the group's reset to a worker (after the retry delay for attempt > 0); it comes back
+        from `collect`."""
+        group, row_index = trajs[0].group_id, trajs[0].row_index
+        delay = self.config.retry_delay(attempt) if attempt else 0.0
+        self.pool.submit(CallEnded("reset", trajs, stats, attempt=attempt), lambda: self._reset_job(group, row_index),
+                         delay)
+
+    def submit_step(self, traj: Trajectory, answer: str, stats: dict, attempt: int = 0) -> None:
+        """Hand the turn's step to a worker (after the retry delay for attempt > 0); it comes back
+        from `collect`."""
         env = None if attempt else self.envs.get(traj.traj_id)  # a failed one is never reused
-        delay = self.env_config.retry_delay(attempt) if attempt else 0.0
-        self.runner.submit(("step", traj, answer, attempt, stats), lambda: self._step_job(traj, answer, env), delay)
+        delay = self.config.retry_delay(attempt) if attempt else 0.0
+        self.pool.submit(CallEnded("step", [traj], stats, answer, attempt), lambda: self._step_job(traj, answer, env),
+                         delay)
+
+    def _reset_job(self, group: int, row_index: int | None) -> object:
+        """On a worker: the group's first prompt (a fresh environment's reset)."""
+        return resolve(self._reset_call(make_task(self.task_name, **self.task_params), group, row_index)())
 
     def _step_job(self, traj: Trajectory, answer: str, env: Environment | None) -> tuple[Environment, object]:
         """On a worker: the trajectory's environment (built and replayed to this turn when missing)
@@ -114,39 +160,27 @@ class EnvCallMethods:
                 resolve(env.step(previous))
         return env, resolve(env.step(answer))
 
-    def _step_done(self, key: tuple, value: object) -> list[Submission]:
-        """On the driver's thread: a step call ended; its trajectory's next request, if any."""
-        _, traj, answer, attempt, stats = key
-        if isinstance(value, BaseException):
+    def collect(self) -> list[CallEnded]:
+        """The pool calls that ended for good since the last collect, in the order they ended; a
+        failed one with retries left is resubmitted instead. Never blocks."""
+        out: list[CallEnded] = []
+        for call, value in self.pool.collect():
+            if not isinstance(value, BaseException):
+                env, value = value if call.kind == "step" else (None, value)
+                if env is not None:
+                    self.envs[call.trajs[0].traj_id] = env
+                out.append(replace(call, value=value, env=env))
+                continue
             fault = Dropped("timeout" if isinstance(value, EnvTimeout) else "env_error", value)
-            stats["env_timeouts"] += fault.reason == "timeout"
-            self.envs.pop(traj.traj_id, None)
-            if attempt < self.env_config.max_retries:
-                stats["env_retries"] += 1
-                self._submit_step(traj, stats, attempt + 1, answer)
+            call.stats["env_timeouts"] += fault.reason == "timeout"
+            if call.kind == "step":
+                self.forget(call.trajs[0].traj_id)
+            if call.attempt < self.config.max_retries:
+                call.stats["env_retries"] += 1
+                if call.kind == "step":
+                    self.submit_step(call.trajs[0], call.answer, call.stats, call.attempt + 1)
+                else:
+                    self.submit_reset(call.trajs, call.stats, call.attempt + 1)
             else:
-                self._fail(traj, fault, stats)
-            return []
-        env, result = value
-        self.envs[traj.traj_id] = env
-        return self._admissible([traj], stats) if self._apply(traj, answer, env, result, stats) else []
-
-    def _reset_job(self, group: int, row_index: int | None) -> object:
-        """On a worker: the group's first prompt (a fresh environment's reset)."""
-        return resolve(self._reset_call(make_task(self.task_name, **self.task_params), group, row_index)())
-
-    def _reset_done(self, key: tuple, value: object) -> list[Submission]:
-        """On the driver's thread: a group's reset ended; its first request (retried per env group)."""
-        _, trajs, attempt, stats = key
-        if isinstance(value, BaseException):
-            fault = Dropped("timeout" if isinstance(value, EnvTimeout) else "env_error", value)
-            stats["env_timeouts"] += fault.reason == "timeout"
-            if attempt < self.env_config.max_retries:
-                stats["env_retries"] += 1
-                group, row_index = trajs[0].group_id, trajs[0].row_index
-                self.runner.submit(("reset", trajs, attempt + 1, stats), lambda: self._reset_job(group, row_index),
-                                   self.env_config.retry_delay(attempt + 1))
-            else:
-                self._drop(trajs, fault, stats)  # no prompt, no group: never scored
-            return []
-        return self._first_request(trajs, value, stats)
+                out.append(replace(call, fault=fault))
+        return out

@@ -3,7 +3,9 @@ as verl's `test_freq` / `val_before_train` do.
 
 An evaluation plays `num_prompts` held-out episodes, each `n` times (greedy at temperature 0, or
 sampled), following the environment until it is done (multi-turn: the conversation so far is the
-next request, its turn boundaries marked, as rl/episodes/driver.py's driver does). Episode i is started
+next request, its turn boundaries marked: rl/episodes/runner.py's `EpisodeRunner`, the training
+rollout's own, renders the first prompt with the task's tool schemas, the answers and the observations
+in their chat roles, so a held-out episode's prompts are what training would send). Episode i is started
 with `reset(mix_seed(seed, HELD_OUT + i))`, a stream the training groups (`mix_seed(seed, g)`)
 never reach, or, given validation data rows (rl/envs/data.py, `data.val_files`), with
 `reset(seed, row=rows[i])` for the first min(num_prompts, len(rows)) rows (a prompt given as chat
@@ -48,12 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memory.durable import write_durable
-from rl.episodes.driver_config import DriverConfig
-from rl.episodes.env_runner import EnvConfig, EnvRunner, resolve
-from rl.episodes.driver import call_with_timeout, mix_seed
 from rl.envs.tasks.base import Environment, make_task
+from rl.episodes.driver_config import DriverConfig
+from rl.episodes.env_runner import Dropped, EnvConfig, EnvRunner, call_with_timeout, resolve
+from rl.episodes.runner import EpisodeRunner, mix_seed
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
-from rollout.engine import ContextTooLong, Engine
+from rollout.engine import Engine
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
@@ -148,62 +150,63 @@ class _Sample:
                 "correct": self.correct, "tokens": self.num_generated, "error": self.error}
 
 
-class _Episodes:
-    """The evaluation's requests and their follow-ups (the dispatcher's `FollowUp`s). With a worker
-    pool (`runner`, the run's env.workers) each environment step runs there while the engine steps
-    the other samples; `_Calls` hands its end back to the dispatcher."""
+def _error_text(err: BaseException) -> str:
+    """A sample's error line: the fault's own for a Dropped (it names the error), else the error's."""
+    return str(err) if isinstance(err, Dropped) else f"{type(err).__name__}: {err}"
 
-    def __init__(self, engine: Engine, tokenizer, sampling: dict, seed: int, env_timeout_s: float | None,
-                 runner: EnvRunner | None = None) -> None:
-        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
-        self.seed, self.env_timeout_s, self.runner = seed, env_timeout_s, runner
+
+class _Episodes:
+    """The evaluation's requests and their follow-ups (the dispatcher's `FollowUp`s), each turn
+    converted by `runner` (the training rollout's EpisodeRunner). With a worker pool (`pool`, the
+    run's env.workers) each environment step runs there while the engine steps the other samples;
+    `_Calls` hands its end back to the dispatcher."""
+
+    def __init__(self, runner: EpisodeRunner, sampling: dict, seed: int, env_timeout_s: float | None,
+                 pool: EnvRunner | None = None) -> None:
+        self.runner, self.sampling = runner, sampling
+        self.seed, self.env_timeout_s, self.pool = seed, env_timeout_s, pool
 
     def request(self, samples: list[_Sample]) -> list[Submission]:
         """The request continuing `samples` (a prompt's first turn: all n; later turns: one), or []
         when the engine could never run its context (the samples end with the error)."""
         s = samples[0]
-        try:
-            self.engine.check_context(len(s.tokens))
-        except ContextTooLong as err:
-            for t in samples:
-                t.error = f"ContextTooLong: {err}"
-            return []
         params = SamplingParams(n=len(samples), seed=mix_seed(self.seed, HELD_OUT + s.prompt_index, s.member,
                                                                  len(s.answers)), **self.sampling)
-        return [Submission(list(s.tokens), params, _TurnEnd(self, samples), tuple(s.turn_boundaries))]
+        try:
+            return [self.runner.submission(s.tokens, params, _TurnEnd(self, samples), s.turn_boundaries)]
+        except Dropped as fault:
+            for t in samples:
+                t.error = str(fault)
+            return []
 
     def end_turn(self, s: _Sample, tokens: list[int]) -> list[Submission]:
         """Append the answer, step the environment; the next turn's request, or [] when it ended."""
         s.tokens += tokens
         s.num_generated += len(tokens)
-        eos = self.engine.model.config.eos_token_id
         try:
-            answer = self.tokenizer.answer_text([t for t in tokens if t != eos])
-            if self.runner is not None:
-                self.runner.submit(("eval", s, answer), lambda: resolve(s.env.step(answer)))
+            answer = self.runner.answer_text(tokens)
+            if self.pool is not None:
+                self.pool.submit(("eval", s, answer), lambda: resolve(s.env.step(answer)))
                 return []
             result = call_with_timeout(lambda: s.env.step(answer), self.env_timeout_s, "step")
         except Exception as err:  # noqa: BLE001 - a fault ends this sample, not the evaluation
-            s.error = f"{type(err).__name__}: {err}"
+            s.error = _error_text(err)
             return []
         return self.apply(s, answer, result)
 
     def apply(self, s: _Sample, answer: str, result: object) -> list[Submission]:
         """Record a step's result; the next turn's request, or [] when the episode ended."""
         try:
-            reward = float(result.reward)
-            if not math.isfinite(reward):
-                raise ValueError(f"reward={reward}, expected a finite number")
-            s.answers.append(answer)
-            s.rewards.append(reward)
-            s.is_correct = getattr(result, "is_correct", None)
-            if bool(result.done) or len(s.answers) >= s.env.max_turns:
-                return []
-            obs = self.tokenizer.continue_turn(result.observation)
-        except Exception as err:  # noqa: BLE001 - a fault ends this sample, not the evaluation
-            s.error = f"{type(err).__name__}: {err}"
+            turn = self.runner.outcome(result, len(s.answers) + 1, s.env.max_turns)
+        except Dropped as fault:  # a fault ends this sample, not the evaluation
+            s.error = str(fault)
             return []
-        s.tokens += obs
+        s.answers.append(answer)
+        s.rewards.append(turn.reward)
+        s.is_correct = turn.is_correct
+        if turn.last:
+            return []
+        s.tokens += turn.observation
         s.turn_boundaries.append(len(s.tokens))
         return self.request([s])
 
@@ -216,16 +219,16 @@ class _Calls:
 
     @property
     def pending(self) -> int:
-        return self.episodes.runner.pending
+        return self.episodes.pool.pending
 
     def wait(self, timeout_s: float) -> None:
-        self.episodes.runner.wait(timeout_s)
+        self.episodes.pool.wait(timeout_s)
 
     def collect(self) -> list[Submission]:
         out: list[Submission] = []
-        for (_, s, answer), value in self.episodes.runner.collect():
+        for (_, s, answer), value in self.episodes.pool.collect():
             if isinstance(value, BaseException):  # a timeout (EnvTimeout) or what the step raised
-                s.error = f"{type(value).__name__}: {value}"
+                s.error = _error_text(value)
             else:
                 out += self.episodes.apply(s, answer, value)
         return out
@@ -243,10 +246,11 @@ class _TurnEnd:
         return nxt
 
 
-def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, seed: int,
+def _start(task_name: str, task_params: dict, runner: EpisodeRunner, index: int, n: int, seed: int,
            env_timeout_s: float | None, row: dict | None) -> tuple[str | list[dict], list[_Sample]]:
     """Held-out episode `index`'s prompt (text, or the chat messages a data row gives) and its n
-    samples, each with its own environment reset to the episode's seed (and `row`, when given). A
+    samples, each with its own environment reset to the episode's seed (and `row`, when given) and
+    its first prompt rendered as the training rollout renders it (`EpisodeRunner.first_prompt`). A
     fault here ends every sample with its error (and no request is made)."""
     episode_seed = mix_seed(seed, HELD_OUT + index)
     samples: list[_Sample] = []
@@ -256,10 +260,9 @@ def _start(task_name: str, task_params: dict, tokenizer, index: int, n: int, see
             env = call_with_timeout(lambda: make_task(task_name, **task_params), env_timeout_s, "task factory")
             reset = (lambda: env.reset(episode_seed)) if row is None else (lambda: env.reset(episode_seed, row=row))
             text = call_with_timeout(reset, env_timeout_s, "reset")
-            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
-            samples.append(_Sample(index, member, env, list(tokenizer.render(messages))))
+            samples.append(_Sample(index, member, env, runner.first_prompt(text)))
     except Exception as err:  # noqa: BLE001 - a fault ends this prompt's samples, not the evaluation
-        samples = [_Sample(index, member, None, [], error=f"{type(err).__name__}: {err}") for member in range(n)]
+        samples = [_Sample(index, member, None, [], error=_error_text(err)) for member in range(n)]
     return text, samples
 
 
@@ -282,26 +285,27 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
     check_rows(task_name, task_params, rows)
-    if engine.pool.is_released:
+    if engine.is_asleep:
         raise RuntimeError("evaluate: the engine is asleep (its pool is released); wake() it first")
-    if engine.scheduler.running or engine.scheduler.waiting:
-        raise RuntimeError(f"evaluate: the engine has {len(engine.scheduler.running)} running and "
-                           f"{len(engine.scheduler.waiting)} waiting sequences; evaluate between rollouts")
+    signals = engine.stats()
+    if signals["running"] or signals["waiting"]:
+        raise RuntimeError(f"evaluate: the engine has {signals['running']} running and {signals['waiting']} "
+                           f"waiting sequences; evaluate between rollouts")
     t0 = time.perf_counter()
     max_new = config.max_new_tokens if config.max_new_tokens is not None else rollout_max_new_tokens
     sampling = {"max_new_tokens": max_new, "temperature": config.temperature, "top_p": config.top_p,
                 "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
-    episodes = _Episodes(engine, tokenizer, sampling, seed, env_timeout_s, runner)
+    episode_runner = EpisodeRunner.for_task(engine, tokenizer, make_task(task_name, **task_params))
+    episodes = _Episodes(episode_runner, sampling, seed, env_timeout_s, runner)
     prompts: list[tuple[int, str | list[dict], list[_Sample]]] = []
     dispatcher = Dispatcher(engine, ThrottleConfig())
-    prefix = engine.cache.prefix
-    prefix_was_empty = prefix is not None and not prefix.index.mla and not prefix.index.kda
+    prefix_was_empty = engine.prefix_cache_is_empty
     before = set(engine.requests)
     try:
         num_prompts = config.num_prompts if rows is None else min(config.num_prompts, len(rows))
         for i in range(rank, num_prompts, world):
             row = None if rows is None else rows[i]
-            text, samples = _start(task_name, task_params, tokenizer, i, config.n, seed, env_timeout_s, row)
+            text, samples = _start(task_name, task_params, episode_runner, i, config.n, seed, env_timeout_s, row)
             prompts.append((i, text, samples))
             if samples[0].error is None:  # the prompt's first turn: one request of n samples (prefilled once)
                 for sub in episodes.request(samples):
@@ -311,7 +315,7 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
         for request_id in [r for r in engine.requests if r not in before]:  # an error left requests: abort
             engine.abort(request_id)
     if prefix_was_empty:
-        prefix.clear()  # as found (a weight load empties it before each evaluation in a run)
+        engine.clear_prefix_cache()  # as found (a weight load empties it before each evaluation in a run)
     metrics = _metrics(prompts, config.n, time.perf_counter() - t0)
     if config.dump and out_dir is not None:
         name = f"iter_{iteration}.jsonl" if world == 1 else f"iter_{iteration}.rank{rank}.jsonl"

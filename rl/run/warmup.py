@@ -141,8 +141,8 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, rollo
                      partial_resume="recompute")
     driver = RolloutDriver(engine, tokenizer, task_name, task_params, config, group_size=group_size,
                            seed=mix_seed(seed, EVAL_STREAM), rank=ranks.rank, world=ranks.world)
-    driver.run_iteration()
-    rewards = [t.reward for g in driver.take_finished_groups() for t in g]
+    result = driver.rollout(groups_in_flight=0)  # a fresh driver: no group is unfinished on any rank
+    rewards = [t.reward for g in result.groups for t in g]
     if ranks.world > 1:
         rewards = [x for r in ranks.all_gather(rewards) for x in r]
     return sum(rewards) / max(1, len(rewards))
