@@ -93,7 +93,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                   f"{cfg.data.max_prompt_tokens}; {len(rows)} kept", file=sys.stderr)
     driver = RolloutDriver(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.rollout,
                            group_size=cfg.algo.group_size, seed=cfg.seed, rank=ranks.rank, world=ranks.world,
-                           sum_over_ranks=lambda n: int(ranks.sum([n])[0]), rows=rows, env=cfg.env)
+                           rows=rows, env=cfg.env)
     run_dir = Path(cfg.run_dir)
     val_rows = None
     if cfg.data.val_files:  # the held-out rows, in file order (never shuffled)
