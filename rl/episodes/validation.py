@@ -3,9 +3,10 @@ as verl's `test_freq` / `val_before_train` do.
 
 An evaluation plays `num_prompts` held-out episodes, each `n` times (greedy at temperature 0, or
 sampled), following the environment until it is done (multi-turn: the conversation so far is the
-next request, its turn boundaries marked: rl/episodes/runner.py's `EpisodeRunner`, the training
-rollout's own, renders the first prompt with the task's tool schemas, the answers and the observations
-in their chat roles, so a held-out episode's prompts are what training would send). Episode i is started
+next request, its turn boundaries marked). Every turn goes through the training rollout's own
+`EpisodeRunner` (rl/episodes/runner.py): the first prompt rendered with the task's tool schemas, the
+answer's text, each observation in its chat role, the engine's context check; so the prompts of a
+held-out episode are those the training rollout sends for the same episode. Episode i is started
 with `reset(mix_seed(seed, HELD_OUT + i))`, a stream the training groups (`mix_seed(seed, g)`)
 never reach, or, given validation data rows (rl/envs/data.py, `data.val_files`), with
 `reset(seed, row=rows[i])` for the first min(num_prompts, len(rows)) rows (a prompt given as chat

@@ -220,3 +220,63 @@ def test_stop_strings_cut_answers_at_the_token_that_completes_them():
             cut += 1
         assert t.answers[0] == tok.decode(answer_tokens).split(stop)[0]
     assert cut >= 1
+
+
+def test_rollout_returns_the_finished_groups_the_metrics_and_the_errors_once():
+    """`rollout()` is run_iteration + take_finished_groups, and hands over the error lines (the
+    driver's list is emptied): the same groups and figures as the two calls."""
+    plain, d = driver("test_flaky", {}, groups_per_iteration=4), driver("test_flaky", {}, groups_per_iteration=4)
+    for x in (plain, d):
+        x.engine.load_weights(x.engine.model.state_dict(), version=1)
+    metrics, groups = plain.run_iteration(), plain.take_finished_groups()
+    result = d.rollout()
+    assert [[t.tokens for t in g] for g in result.groups] == [[t.tokens for t in g] for g in groups]
+    assert result.metrics["env_errors"] == metrics["env_errors"] > 0
+    assert result.errors == plain.errors and len(result.errors) == metrics["env_errors"] and d.errors == []
+    second = d.rollout()  # reports only its own lines
+    assert d.errors == [] and not set(second.errors) & set(result.errors)
+
+
+def test_groups_in_flight_is_the_callers_count_over_the_ranks():
+    """max_groups_in_flight caps the unfinished groups over all ranks; the driver makes no collective
+    call for that count: on several ranks the caller passes it (summed at the phase boundary), on one
+    rank the driver counts its own `unfinished_groups`."""
+    def ranked(world, **kw):
+        config = DriverConfig(groups_per_iteration=3, max_new_tokens=4, max_groups_in_flight=2, **kw)
+        d = RolloutDriver(engine(), ByteTokenizer(), "majority_digit", {"length": 3}, config, group_size=4, seed=1,
+                          rank=0, world=world)
+        d.engine.load_weights(d.engine.model.state_dict(), version=1)
+        return d
+
+    d = ranked(2)
+    with pytest.raises(ValueError, match=r"max_groups_in_flight=2 on 2 ranks.*groups_in_flight"):
+        d.run_iteration()
+    assert d.next_group == 0 and d.unfinished_groups == 0, "refused before anything started"
+    d.run_iteration(groups_in_flight=1)  # one group unfinished somewhere: one new global group (group 0, ours)
+    assert d.next_group == 1
+    d.take_finished_groups()
+    d.run_iteration(groups_in_flight=2)  # the cap reached over the ranks: nothing new here either
+    assert d.next_group == 1
+    one = ranked(1, budget_tokens=6)
+    one.run_iteration()
+    assert one.next_group == 2 and one.unfinished_groups == len(one.group_sizes) > 0
+    unfinished = one.unfinished_groups
+    one.run_iteration()  # by default its own count: 2 - unfinished new groups
+    assert one.next_group == 2 + max(0, 2 - unfinished)
+
+
+def test_the_progress_bar_follows_every_step_and_ends_at_the_iterations_figures():
+    class Bar:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, done, tokens, kv_utilization, concurrency):
+            self.updates.append((done, tokens, kv_utilization, concurrency))
+
+    d, bar = driver(), Bar()
+    d.engine.load_weights(d.engine.model.state_dict(), version=1)
+    steps_before = d.engine.num_steps
+    metrics = d.run_iteration(progress=bar)
+    assert len(bar.updates) == d.engine.num_steps - steps_before + 1  # after each engine step, and at the end
+    assert bar.updates[-1][:2] == (metrics["trajectories_finished"], metrics["rollout_tokens"])
+    assert [u[0] for u in bar.updates] == sorted(u[0] for u in bar.updates)

@@ -88,3 +88,29 @@ def test_with_the_prefix_cache_on_the_auto_limit_grows_without_preemptions(tiny_
     assert engine.cache.prefix.hit_tokens > 0
     assert engine.stats()["preemptions"] == 0
     assert max(dispatcher.auto.history) > 2
+
+
+def test_on_step_follows_every_engine_step_and_the_end_while_should_stop_only_decides(tiny_model):
+    """`on_step` is called after each engine step and once when the run ends; `should_stop` (checked
+    before each step) ends the run early, the rest left in flight."""
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 24, max_model_len=96))
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    for stop_after in (None, 3):
+        dispatcher, steps = Dispatcher(engine, ThrottleConfig(max_concurrency=2)), []
+        for c in range(4):
+            dispatcher.add(Submission([10 + c] * 4, params))
+        start = engine.num_steps
+
+        def should_stop() -> bool:
+            return stop_after is not None and engine.num_steps - start >= stop_after
+
+        outputs = dispatcher.run(on_step=lambda: steps.append(engine.num_steps - start), should_stop=should_stop)
+        ran = engine.num_steps - start
+        assert steps == [*range(1, ran + 1), ran], "after each step, then once at the end"
+        if stop_after is None:
+            assert len(outputs) == 4 and not dispatcher.in_flight
+        else:
+            assert ran == stop_after and dispatcher.in_flight
+            in_flight, _ = dispatcher.clear()
+            for request_id, _ in in_flight:
+                engine.abort(request_id)
