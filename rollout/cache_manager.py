@@ -240,6 +240,20 @@ class CacheManager:
         return self._spilled.bytes
 
     @property
+    def pages_written_back(self) -> int:
+        """Host pages the host tier has written back from the device since it was built (0 without)."""
+        return self.host_tier.pages_written_back if self.host_tier is not None else 0
+
+    @property
+    def prefix_cache_is_empty(self) -> bool:
+        """No prefix-cache entry on either tier (True without a prefix cache)."""
+        return self.prefix is None or self.prefix.is_empty
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    @property
     def num_parked_pages(self) -> int:
         """Host pages holding paused sequences' pages over a sleep."""
         return self.host_tier.num_parked_pages if self.host_tier is not None else 0

@@ -26,6 +26,7 @@ from rich.progress import Progress
 from kernels.impl import default_impl
 from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
+from memory.nvme_store import NvmeStore
 from memory.page_pool import OutOfPages, PagePool
 from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
@@ -82,6 +83,8 @@ class Engine:
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0) -> None:
         self.config = config = config or EngineConfig()
+        self.ledger = ledger
+        """The host-DRAM ledger the host KV pool leases from (None: unaccounted)."""
         self.seed = seed
         """Seeds requests that give no seed of their own (an RL run's engine: the run's seed)."""
         self.detokenize = detokenize
@@ -376,20 +379,70 @@ class Engine:
         return [outputs[i] for i in ids]
 
     # ---- memory and weights ----------------------------------------------------------------------------
-    def sleep(self) -> None:
+    @property
+    def is_asleep(self) -> bool:
+        """The device pool is released (`sleep`) until `wake`."""
+        return self.pool.is_released
+
+    def sleep(self) -> int:
         """Release the device pool. Running sequences keep their tokens and are recomputed after
         wake(). With a host pool, paused sequences' pages are parked there and restored by wake()
         (bit for bit), and the prefix cache writes its turn-boundary entries back; the rest of the
-        device tier is dropped."""
+        device tier is dropped. Returns the pages written back to the host pool meanwhile."""
+        written = self.cache.pages_written_back
         self.cache.park(self.scheduler.paused)
         self.scheduler.preempt_all()
         self.cache.sleep()
         self.runner.invalidate_views()
         self.drop_weight_copies()  # the CPU fused projections are rebuilt at the next step: no copy while asleep
+        return self.cache.pages_written_back - written
 
     def wake(self) -> None:
         self.cache.wake(self.scheduler.paused)
         self.runner.invalidate_views()
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of every request the engine still holds (paused ones included)."""
+        return [s for request in self.requests.values() for s in request.seqs]
+
+    def spill_host(self, store: NvmeStore, next_version: int, max_staleness: int | None = None) -> int:
+        """Asleep, before the training states come back to host DRAM: the host KV pool's kept
+        contents go to `store` and its DRAM back to the ledger (CacheManager.spill_host: what policy
+        `next_version` may still use). Returns the bytes written."""
+        return self.cache.spill_host(store, self.sequences(), next_version, max_staleness)
+
+    def suspend_host(self) -> None:
+        """Give the (empty) host KV pool's DRAM back to the ledger until `restore_host`: a run that
+        time-multiplexes host DRAM leases it at each rollout only."""
+        self.host.suspend()
+
+    def restore_host(self, store: NvmeStore | None) -> int:
+        """Lease the host KV pool again, before `wake`: engine.host_pool_mb's pages, or with "auto"
+        every byte the host ledger has free now (0 without a ledger), and read back what
+        `spill_host` kept. Returns the bytes read."""
+        host_bytes, free = self.config.host_pool_bytes, self.ledger.free if self.ledger is not None else 0
+        pages = (free if host_bytes is None else host_bytes) // self.layout.page_bytes
+        return self.cache.restore_host(store, self.sequences(), pages)
+
+    @property
+    def prefix_cache_is_empty(self) -> bool:
+        """No prefix-cache entry on any tier (True without a prefix cache)."""
+        return self.cache.prefix_cache_is_empty
+
+    def clear_prefix_cache(self) -> None:
+        self.cache.clear_prefix_cache()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds by tier: device_pool (the page pool, 0 while released), host_pool
+        (the host KV pool's lease), host_parked (the part of it holding paused rollouts' KV over a
+        sleep; 0 while spilled), disk_kv_pool (the host pool's kept contents on NVMe between
+        rollouts, payload), engine_weight_copies (`derived_weight_bytes`)."""
+        host = self.host
+        return {"device_pool": 0 if self.pool.is_released else self.pool.num_pages * self.layout.page_bytes,
+                "host_pool": host.pool_bytes if host is not None else 0,
+                "host_parked": (self.cache.num_parked_pages * host.page_bytes
+                                if host is not None and not host.is_suspended else 0),
+                "disk_kv_pool": self.cache.spilled_host_bytes, "engine_weight_copies": self.derived_weight_bytes()}
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy external policy weights into the engine's model (our parameter names, strict) and tag

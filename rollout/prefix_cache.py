@@ -89,6 +89,11 @@ class PrefixCache:
                 self.clear()
             self.version = version
 
+    @property
+    def is_empty(self) -> bool:
+        """No entry on either tier."""
+        return not self.index.mla and not self.index.kda
+
     def clear(self) -> None:
         """Drop the whole index on both tiers (its references go; pages sequences still hold stay)."""
         self.flush()

@@ -105,7 +105,7 @@ def test_file_and_function_lengths(path: Path):
 def test_the_engine_and_scheduler_use_the_cache_facade_only():
     """rollout/engine.py and rollout/scheduler.py call CacheManager's phase methods: never its prefix
     cache, its evictor's internals, or the scheduler's queues from outside the scheduler."""
-    pattern = re.compile(r"cache\.prefix|\.evictor\.|scheduler\.running\[")
+    pattern = re.compile(r"cache\.prefix\b|\.evictor\.|scheduler\.running\[")
     hits = [f"{name}:{i}: {line.strip()}" for name in ("rollout/engine.py", "rollout/scheduler.py")
             for i, line in enumerate((ROOT / name).read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []

@@ -224,14 +224,21 @@ class ShardedHostAdamW:
         return self.adam.param_groups[0]["lr"] * self.lr_factor()
 
     @contextmanager
-    def unscheduled(self) -> Iterator[None]:
-        """Inside: steps run at the param groups' lr as it stands and do not advance the schedule
-        (a supervised warm-up with its own lr before the RL schedule starts)."""
+    def unscheduled(self, lr: float | None = None) -> Iterator[None]:
+        """Inside: steps run at `lr` (None: the param groups' lr as it stands) and do not advance the
+        schedule (a supervised warm-up with its own lr before the RL schedule starts); the groups'
+        own lr is restored after."""
         saved, self._scheduled = self._scheduled, False
+        lrs = [g["lr"] for g in self.adam.param_groups]
+        if lr is not None:
+            for g in self.adam.param_groups:
+                g["lr"] = lr
         try:
             yield
         finally:
             self._scheduled = saved
+            for g, value in zip(self.adam.param_groups, lrs):
+                g["lr"] = value
 
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's optimizer holds now: FP32 master shards, their gradients and

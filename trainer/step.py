@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint
 from models.model import HybridLM
 from models.precision import dtype_name
+from trainer.activation_meter import SavedTensorMeter
 from trainer.chunks import CHUNK_SPLITS, ChunkedModel
 from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
 
@@ -146,6 +148,8 @@ class Trainer:
         self.arena = GradArena(slot_numel, config.num_grad_slots, device)
         self.step_count = 0
         self.bad_steps_in_a_row = 0
+        self.host_grads_peak = 0
+        """The gradient shards' host bytes right before the optimizer steps, their peak since `memory_meter` began."""
         self._bound: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._sync_ledger()
 
@@ -170,6 +174,70 @@ class Trainer:
     @property
     def states_spilled(self) -> bool:
         return self.optimizer.is_spilled
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, its gradient slots and the batches live."""
+        return self.arena.device
+
+    @property
+    def world(self) -> int:
+        """Data-parallel ranks the optimizer states are sharded over."""
+        return self.optimizer.world
+
+    def unscheduled(self, lr: float | None = None):
+        """A context: its optimizer steps run at `lr` (None: unchanged) outside the lr schedule."""
+        return self.optimizer.unscheduled(lr)
+
+    def forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor) -> torch.Tensor:
+        """Per-token log p(targets | prefix) [N] float32 through the training chunk path, no graph
+        (old-policy logprobs; trainer/chunks.py `forward_logprobs`)."""
+        return self.chunked.forward_logprobs(token_ids, seq_lens, targets)
+
+    @property
+    def spillable_bytes(self) -> int:
+        """Payload bytes `offload_states` would write now."""
+        return self.optimizer.spillable_bytes()
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Payload bytes on NVMe until `restore_states` (0 when nothing is spilled)."""
+        return self.optimizer.spilled_bytes
+
+    @contextmanager
+    def memory_meter(self) -> Iterator[dict[str, int]]:
+        """Meter the train steps run inside. Yields a dict that holds, on exit: device_activation_peak
+        (the peak of autograd's saved tensors, the model's parameters and buffers excluded:
+        trainer/activation_meter.py), host_grads (the FP32 gradient shards' peak, sampled right
+        before each optimizer step, when they peak) and, on CUDA, device_alloc_peak (the
+        allocator's peak above the start: activations, temporaries, gradients in flight)."""
+        peaks: dict[str, int] = {}
+        meter = SavedTensorMeter(exclude=[*self.model.parameters(), *self.model.buffers()])
+        device = self.arena.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        self.host_grads_peak = 0
+        with meter.hooks():
+            yield peaks
+        peaks.update(device_activation_peak=meter.peak, host_grads=self.host_grads_peak)
+        if device.type == "cuda":
+            peaks["device_alloc_peak"] = torch.cuda.max_memory_allocated(device) - start
+
+    def memory(self, peaks: dict[str, int] | None = None) -> dict[str, int]:
+        """Bytes the trainer holds by tier now: device_grad_slots (the FP32 gradient arena),
+        host_masters, host_moments (AdamW state, step counters included), host_grads (the gradient
+        shards; with `peaks` from `memory_meter`, their peak over the metered steps), disk_spilled
+        (the optimizer states' spill files), train_host (every optimizer host byte), and the
+        meter's device_activation_peak (0 without `peaks`) and device_alloc_peak (CUDA)."""
+        peaks = peaks or {}
+        kinds = self.optimizer.host_bytes_by_kind()
+        return {"device_grad_slots": self.arena.total_bytes,
+                "device_activation_peak": peaks.get("device_activation_peak", 0),
+                "host_masters": kinds["masters"], "host_moments": kinds["moments"],
+                "host_grads": max(kinds["grads"], peaks.get("host_grads", 0)),
+                "disk_spilled": self.optimizer.disk_bytes, "train_host": self.optimizer.host_bytes(),
+                **({"device_alloc_peak": peaks["device_alloc_peak"]} if "device_alloc_peak" in peaks else {})}
 
     def offload_states(self, store: NvmeStore) -> int:
         """Spill the optimizer's host states to `store` (group per VPP chunk) and free their memory
@@ -345,6 +413,7 @@ class Trainer:
                 self.optimizer.scale_grads(clip)
             coef = clip.item()
         metrics.update(grad_clip_coef=coef, nonfinite_grad=0.0)
+        self.host_grads_peak = max(self.host_grads_peak, self.optimizer.host_bytes_by_kind()["grads"])
         self.optimizer.step()
         self.step_count += 1
         self._sync_ledger()  # Adam's moments appear at the first step

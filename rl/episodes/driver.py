@@ -158,7 +158,7 @@ class RolloutDriver:
         self.sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                          "stop_token_ids": tuple(tokenizer.stop_token_ids), "stop_strings": tuple(tokenizer.stop_strings)}
         self.throttle = ThrottleConfig(max_concurrency=config.max_concurrency)
-        self.partial_resume, self.env_timeout_s = config.partial_resume, env.timeout_s
+        self.partial_resume = config.partial_resume
         factory = resolve_task(task_name)  # a task's own failure policy wins over the env group's
         self.on_failure = getattr(factory, "on_failure", env.on_failure)
         self.failure_reward = float(getattr(factory, "failure_reward", env.failure_reward))

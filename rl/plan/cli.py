@@ -25,8 +25,8 @@ from rich.table import Table
 
 from rl.config import CONFIGS, RunConfig, compose_run_config
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
-from rl.plan.model import (DEVICE_KEYS, DISK_KEYS, HOST_KEYS, PhaseMemory, Sizes, host_budget_bytes, meta_policy,
-                           plan_phases, plan_sizes)
+from memory.tiers import DEVICE_KEYS, DISK_KEYS, HOST_KEYS
+from rl.plan.model import PhaseMemory, Sizes, host_budget_bytes, meta_policy, plan_phases, plan_sizes
 from rl.run.tracking import plot_memory
 from trainer.chunks import chunk_specs
 

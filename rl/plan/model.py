@@ -49,12 +49,10 @@ from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
 from rl.plan.activation import chunk_activation_peaks
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
+from memory.tiers import with_totals
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
 
-DEVICE_KEYS = ("device_weights", "device_pool", "device_grad_slots", "device_activation_peak", "device_reference")
-HOST_KEYS = ("host_masters", "host_moments", "host_grads", "host_pool", "host_parked", "host_reference")
-DISK_KEYS = ("disk_spilled", "disk_kv_pool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,17 +269,4 @@ def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
                       "disk_spilled": (sizes.spill_files if moments else sizes.spill_master_files) if spilled else 0,
                       "disk_kv_pool": sizes.parked_bound if parked and kv_on_disk else 0}
             out.append(PhaseMemory(iteration, phase, with_totals(memory)))
-    return out
-
-
-def with_totals(memory: dict[str, int]) -> dict[str, int]:
-    """`memory` plus device_total, host_total (host_parked lies inside host_pool: not added),
-    disk_total, and the older readers' train_device / train_host / train_disk."""
-    out = dict(memory)
-    out["device_total"] = sum(memory[k] for k in DEVICE_KEYS)
-    out["host_total"] = sum(memory[k] for k in HOST_KEYS if k != "host_parked")
-    out["disk_total"] = sum(memory[k] for k in DISK_KEYS)
-    # train_host is the optimizer's bytes at the end of the phase: its gradients are gone by then
-    out.update(train_device=memory["device_weights"], train_host=memory["host_masters"] + memory["host_moments"],
-               train_disk=memory["disk_spilled"])
     return out

@@ -11,7 +11,6 @@ CUDA run starts from the same weights as a CPU run.
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from rl.config.checks import check_tokenizer, check_world
 from rl.config.resume import check_checkpoint_model, resolved_config
 from rl.envs.data import RowSampler, load_rows
 from rl.episodes.driver import RolloutDriver
+from rl.episodes.runner import render_prompt
 from rl.episodes.validation import evaluator
 from rl.run.figures import TimedStreamedReference
 from rl.run.loop import LoopParts
@@ -78,16 +78,14 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     engine = Engine(engine_model, cfg.engine, ledger=ledger, detokenize=tokenizer.decode,  # decode: stop_strings
                     seed=cfg.seed)
     if cfg.memory.spill_dir is not None and engine.host is not None:
-        engine.host.suspend()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
+        engine.suspend_host()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer
     # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
     trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
     check_world(cfg, ranks.world)  # the run's ranks (composition checked WORLD_SIZE)
     rows = None
     if cfg.data.enabled:
-        def encode(prompt):  # exactly what the driver sends
-            return tokenizer.render(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
-        rows, loaded = RowSampler.from_config(cfg.data, encode)
+        rows, loaded = RowSampler.from_config(cfg.data, lambda prompt: render_prompt(tokenizer, prompt))
         if ranks.is_writer and loaded.num_dropped_too_long:
             print(f"data: dropped {loaded.num_dropped_too_long} rows longer than data.max_prompt_tokens="
                   f"{cfg.data.max_prompt_tokens}; {len(rows)} kept", file=sys.stderr)
@@ -97,8 +95,7 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     run_dir = Path(cfg.run_dir)
     val_rows = None
     if cfg.data.val_files:  # the held-out rows, in file order (never shuffled)
-        val_rows = load_rows(cfg.data.val_files, cfg.data, lambda p: tokenizer.render(
-            p if isinstance(p, list) else [{"role": "user", "content": p}])).rows
+        val_rows = load_rows(cfg.data.val_files, cfg.data, lambda prompt: render_prompt(tokenizer, prompt)).rows
     evaluate = evaluator(engine, tokenizer, cfg.task.name, cfg.task.params, cfg.eval, seed=cfg.seed, out_dir=run_dir,
                          rank=ranks.rank, world=ranks.world, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
                          env_timeout_s=cfg.env.timeout_s, rows=val_rows, runner=driver.runner)
@@ -112,14 +109,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
     # after a warm-up the reference is its result, built once it is known (`start_from_warmup`)
     ref = None if warm_started(cfg, resume_from) else reference(cfg, initial_policy(cfg), trainer, ledger)
-    return LoopParts(policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
-                     loss=cfg.algo.loss, advantage=cfg.algo.advantage, num_chunks=t.num_chunks,
-                     micro_batch_tokens=t.micro_batch_tokens, release_pool=cfg.memory.release_pool_in_train,
-                     ref_model=ref, checkpoint_dir=run_dir / "checkpoints", ledger=ledger, store=store,
-                     ranks=ranks, checkpoint=cfg.checkpoint, max_staleness=cfg.rollout.max_staleness,
-                     ppo_epochs=cfg.algo.ppo_epochs, mini_batches=cfg.algo.mini_batches,
-                     evaluate=evaluate, eval_every=cfg.eval.every, eval_before_train=cfg.eval.before_train,
-                     run_config=resolved_config(cfg))
+    return LoopParts(cfg=cfg, policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
+                     ref_model=ref, ledger=ledger, store=store, ranks=ranks, evaluate=evaluate)
 
 
 def reference(cfg: RunConfig, model: HybridLM, trainer: Trainer, ledger: HostLedger) -> HybridLM | StreamedReference | None:
@@ -133,7 +124,7 @@ def reference(cfg: RunConfig, model: HybridLM, trainer: Trainer, ledger: HostLed
     if cfg.memory.reference == "stream":
         t = cfg.trainer
         return TimedStreamedReference(model, trainer.arena, t.num_chunks, ledger=ledger, split=t.chunk_split)
-    return model.to(trainer.arena.device)
+    return model.to(trainer.device)
 
 
 def warm_started(cfg: RunConfig, resume_from: int | None) -> bool:

@@ -15,10 +15,12 @@ ledger has free then, so the ledger never holds both consumers at full size.
 The checkpoint comes before the offload: it reads the optimizer states while they are still in
 host memory, so a spilled run writes each state once (offload) and reads it once (restore) per
 iteration; phases.jsonl's bytes_moved shows both.
-Every transition goes through `Phases.run`, which records seconds, bytes moved and the memory
-held by each tier (engine pool on device, host pool, training state on device / host / disk) in
-the tracker's memory timeline. With `memory.spill_dir`, `_offload_train_state` spills the
-optimizer's host states to NVMe (`train_disk` in the timeline) and "restore" reads them back.
+Every phase is one `with phases(iteration, name):` block around a call to its owner (the engine's
+memory phases, the trainer's update and spill, the driver's rollout, the checkpoint), which
+records seconds, bytes moved and the memory held by each tier (memory/tiers.py: the engine's
+`memory()` and the trainer's `memory()` reports) in the tracker's memory timeline. With
+`memory.spill_dir`, "offload" spills the optimizer's host states to NVMe (`train_disk` in the
+timeline) and "restore" reads them back.
 A checkpoint is written atomically after each iteration; resume starts after the last one.
 
 Circuit breaker: a fault inside an iteration costs the trajectories it hits (rl/episodes/driver.py drops
@@ -30,7 +32,8 @@ metrics and drop lines are logged first, so the error comes with the evidence.
 
 Several ranks (torchrun; rl/run/ranks.py): every rank runs this same loop on its own engine and its
 share of the groups. The collectives sit at the phase boundaries, so no rank is in one phase while
-another is in the next: "load_weights" all-gathers the engine weights' checksum (an error names
+another is in the next: before the rollout the unfinished groups are summed (max_groups_in_flight
+caps the global count; never a collective inside the rollout), "load_weights" all-gathers the engine weights' checksum (an error names
 the ranks that differ), "gather" (after rollout and sleep) sums the finished groups, tokens and
 sequences over ranks (the global normalisers; train runs on every rank or on none), the trainer's
 step reduce-scatters gradients and all-gathers the updated weights, the checkpoint has barriers,
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,18 +53,16 @@ from rich.markup import escape
 
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
+from memory.tiers import with_totals
 from models.model import HybridLM
+from rl.config import RunConfig
+from rl.config.resume import resolved_config
+from rl.episodes.driver import DROP_REASONS, RolloutDriver, RolloutResult
 from rl.run.checkpoint import save_iteration
-from rl.config import CheckpointConfig
-from rl.plan.activation import SavedTensorMeter
-from rl.plan.model import with_totals
 from rl.run.ranks import Ranks, merge_metrics, weights_checksum
-from rl.episodes.driver import DROP_REASONS, RolloutDriver
 from rl.run.tracking import Tracker
 from rl.run.update import PackedBatch, policy_update, reference_logprobs
-from rl.episodes.validation import eval_due
 from rollout.engine import Engine
-from trainer.losses import LossConfig
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
 
@@ -88,247 +89,219 @@ class RunBroken(RuntimeError):
     iterations in a row trained nothing."""
 
 
-class Phases:
-    """Runs one phase transition, timing it and logging the memory tiers afterwards (`memory`).
-    `fault(iteration, phase)`, when given, is called as each phase starts (tests inject a crash
-    there; rl/train.py passes one only under HYBRIDRL_TEST_FAULTS=1)."""
-
-    def __init__(self, tracker: Tracker, engine: Engine, policy: HybridLM, trainer: Trainer,
-                 ref_model: "HybridLM | StreamedReference | None" = None,
-                 fault: Callable[[int, str], None] | None = None) -> None:
-        self.tracker, self.engine, self.policy, self.trainer = tracker, engine, policy, trainer
-        self.ref_model, self.fault = ref_model, fault
-        self.seconds: dict[str, float] = {}
-        self._peaks: dict[str, int] = {}
-        """The train phase's transient consumers (`_measure_train`), reported by the next `memory()`."""
-
-    def memory(self) -> dict[str, int]:
-        """Bytes each consumer holds, by tier, at the end of the phase just run (rl/plan/model.py
-        predicts the same keys from the config; docs/plan-48b.md):
-
-        device_weights (distinct storages of the policy's and the engine's parameters: a shared copy
-        counts once), device_pool (the engine's page pool, 0 while released), device_grad_slots (the
-        trainer's FP32 arena), device_activation_peak (train phase: the peak of autograd's saved
-        tensors, rl/plan/activation.py; 0 elsewhere), device_reference (a resident reference model;
-        a streamed one lives in the grad slots: 0); host_masters, host_moments (AdamW state incl.
-        step counters), host_grads (train phase: the FP32 gradient shards right before the
-        optimizer step, their peak; 0 elsewhere), host_pool (the host KV pool), host_parked (the
-        part of host_pool holding paused rollouts' KV over a sleep: inside host_pool, not added to
-        host_total; 0 while the pool's contents are on NVMe), host_reference (a streamed reference's
-        host vectors); disk_spilled (spill files of the optimizer states), disk_kv_pool (the host KV
-        pool's kept contents on NVMe between rollouts, payload bytes). device_total, host_total and
-        disk_total sum each tier. Kept for
-        older readers: train_device (= device_weights), train_host (the optimizer's host bytes at
-        the end of the phase), train_disk (= disk_spilled)."""
-        engine, optimizer, ref = self.engine, self.trainer.optimizer, self.ref_model
-        seen: set[int] = set()
-        weights = _storage_bytes(self.policy.parameters(), seen) + _storage_bytes(engine.model.parameters(), seen)
-        resident_ref = _storage_bytes(ref.parameters(), seen) if isinstance(ref, HybridLM) else 0
-        host = engine.host
-        parked = engine.cache.num_parked_pages  # paused sequences' host pages over a sleep (forks share)
-        kinds = optimizer.host_bytes_by_kind()
-        out = with_totals({
-            "device_weights": weights,
-            "device_pool": 0 if engine.pool.is_released else engine.pool.num_pages * engine.layout.page_bytes,
-            "device_grad_slots": self.trainer.arena.total_bytes,
-            "device_activation_peak": self._peaks.get("device_activation_peak", 0),
-            "device_reference": resident_ref,
-            "host_masters": kinds["masters"], "host_moments": kinds["moments"],
-            "host_grads": max(kinds["grads"], self._peaks.get("host_grads", 0)),
-            "host_pool": host.pool_bytes if host is not None else 0,
-            "host_parked": parked * host.page_bytes if host is not None and not host.is_suspended else 0,
-            "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
-            "disk_spilled": optimizer.disk_bytes, "disk_kv_pool": engine.cache.spilled_host_bytes})
-        out["train_host"] = optimizer.host_bytes()  # as logged before the tiers were split (grads included)
-        # Weight copies the engine holds besides the shared parameters: the CPU path's fused
-        # projections while it generates (models/fused.py), dropped when the rollout phase ends; 0
-        # on CUDA. Outside the tier totals (the planner models the GPU layout, which has none).
-        out["engine_weight_copies"] = engine.derived_weight_bytes()
-        if "device_alloc_peak" in self._peaks:
-            out["device_alloc_peak"] = self._peaks["device_alloc_peak"]
-        return out
-
-    @contextmanager
-    def _measure_train(self, name: str) -> Iterator[None]:
-        """Around the train phase: meter autograd's saved tensors (their peak is the activation
-        figure), sample the optimizer's gradient shards right before its step (when they peak) and,
-        on CUDA, record the allocator's peak above the phase's start (everything: activations,
-        temporaries, gradients in flight) as device_alloc_peak."""
-        self._peaks = {}
-        if name != "train":
-            yield
-            return
-        models = [self.policy, self.engine.model] + ([self.ref_model] if isinstance(self.ref_model, HybridLM) else [])
-        meter = SavedTensorMeter(exclude=[t for m in models for t in (*m.parameters(), *m.buffers())])
-        optimizer = self.trainer.optimizer
-        device = self.trainer.arena.device
-        grads = [0]
-
-        def step(*args, **kwargs):
-            grads[0] = max(grads[0], optimizer.host_bytes_by_kind()["grads"])
-            return type(optimizer).step(optimizer, *args, **kwargs)
-
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            start = torch.cuda.memory_allocated(device)
-        optimizer.step = step  # an instance attribute over the method, for this phase only
-        try:
-            with meter.hooks():
-                yield
-        finally:
-            del optimizer.step
-        self._peaks = {"device_activation_peak": meter.peak, "host_grads": grads[0]}
-        if device.type == "cuda":
-            self._peaks["device_alloc_peak"] = torch.cuda.max_memory_allocated(device) - start
-
-    def run(self, iteration: int, name: str, fn: Callable[[], object],
-            bytes_moved: int | Callable[[object], int] = 0) -> object:
-        """`fn()`, timed and logged; `bytes_moved` is a count, or a function of fn's result."""
-        if self.fault is not None:
-            self.fault(iteration, name)
-        t0 = time.perf_counter()
-        with self._measure_train(name):
-            result = fn()
-        seconds = time.perf_counter() - t0
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        moved = bytes_moved(result) if callable(bytes_moved) else bytes_moved
-        self.tracker.log_phase(iteration, name, seconds, moved, self.memory())
-        self._peaks = {}
-        return result
-
-
 @dataclass
 class LoopParts:
-    """Everything the loop touches, built by rl/train.py."""
+    """Everything the loop touches, built by rl/run/build.py: the components and the run's config
+    (every knob is read from `cfg`, under its own name)."""
 
+    cfg: RunConfig
     policy: HybridLM
     engine: Engine
     trainer: Trainer
     driver: RolloutDriver
     tracker: Tracker
-    loss: LossConfig
-    advantage: str
-    num_chunks: int
-    micro_batch_tokens: int | None
-    release_pool: bool
-    ref_model: "HybridLM | StreamedReference | None"
-    checkpoint_dir: Path
+    ref_model: "HybridLM | StreamedReference | None" = None
     ledger: HostLedger | None = None
     """Host-DRAM ledger every host consumer leases from (KV pool, reference, training states)."""
     store: NvmeStore | None = None
     """Where the optimizer's host states are spilled between iterations (memory.spill_dir); None = no spill."""
     ranks: Ranks = field(default_factory=Ranks)
     """This process's place among the data-parallel ranks (one process: rank 0 of 1)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """When to checkpoint and what to keep (checkpoint.every / keep_last / keep_every)."""
-    max_staleness: int | None = None
-    """rollout.max_staleness: KV older than this many versions is not kept across iterations."""
-    run_config: dict = field(default_factory=dict)
-    """The run's resolved config (JSON-able), stored in each checkpoint for the resume's drift check."""
-    ppo_epochs: int = 1
-    """algo.ppo_epochs: passes over each iteration's batch."""
-    mini_batches: int = 1
-    """algo.mini_batches: optimizer steps per pass (mini-batches of whole sequences)."""
     evaluate: Callable[[int], dict[str, float]] | None = None
-    """Validation (rl/episodes/validation.py `evaluator`): called with the iteration, plays this rank's share of
-    the held-out episodes on the freshly loaded weights and returns `val/...` metrics; None = never."""
-    eval_every: int | None = None
-    """eval.every: evaluate at iterations N, 2N, ... (None = never)."""
-    eval_before_train: bool = False
-    """eval.before_train: evaluate at iteration 0, before any update."""
+    """Validation (rl/episodes/validation.py `evaluator`): called with the iteration when eval.every /
+    eval.before_train make it due, plays this rank's share of the held-out episodes on the freshly
+    loaded weights and returns `val/...` metrics; None = never."""
 
     @property
     def device(self) -> torch.device:
         """Where the policy lives, and with it the train phase's batches and losses."""
         return next(self.policy.parameters()).device
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.cfg.run_dir) / "checkpoints"
+
+    @property
+    def run_config(self) -> dict:
+        """The run's resolved config (JSON-able), stored in each checkpoint for the resume's drift check."""
+        return resolved_config(self.cfg)
+
+
+@dataclass
+class Phase:
+    """One running phase: its owner's call sets `moved` (bytes it moved) when known only after."""
+    moved: int = 0
+
+
+class Phases:
+    """`with phases(iteration, name, moved=...) as phase:` times one phase transition and logs the
+    memory tiers afterwards (`memory`); the train phase runs under the trainer's memory meter.
+    `fault(iteration, phase)`, when given, is called as each phase starts (tests inject a crash
+    there; rl/train.py passes one only under HYBRIDRL_TEST_FAULTS=1)."""
+
+    def __init__(self, parts: LoopParts, fault: Callable[[int, str], None] | None = None) -> None:
+        self.parts, self.fault = parts, fault
+        self.seconds: dict[str, float] = {}
+
+    def memory(self, peaks: dict[str, int] | None = None) -> dict[str, int]:
+        """Bytes each consumer holds, by tier (memory/tiers.py; rl/plan/model.py predicts the same
+        keys from the config; docs/plan-48b.md), at the end of the phase just run: the engine's and
+        the trainer's reports, the weights (distinct storages of the policy's and the engine's
+        parameters) and the reference (resident: device_reference; streamed: host_reference). Plus,
+        outside the tier totals: train_host (every optimizer host byte), engine_weight_copies (the
+        CPU path's fused projections while it generates, models/fused.py; 0 on CUDA) and, on CUDA's
+        train phase, device_alloc_peak. `peaks`: the trainer's memory meter of the train phase."""
+        p = self.parts
+        engine, trainer, ref = p.engine.memory(), p.trainer.memory(peaks), p.ref_model
+        seen: set[int] = set()
+        weights = _storage_bytes(p.policy.parameters(), seen) + _storage_bytes(p.engine.model.parameters(), seen)
+        out = with_totals({
+            "device_weights": weights, "device_pool": engine["device_pool"],
+            "device_grad_slots": trainer["device_grad_slots"],
+            "device_activation_peak": trainer["device_activation_peak"],
+            "device_reference": _storage_bytes(ref.parameters(), seen) if isinstance(ref, HybridLM) else 0,
+            "host_masters": trainer["host_masters"], "host_moments": trainer["host_moments"],
+            "host_grads": trainer["host_grads"], "host_pool": engine["host_pool"], "host_parked": engine["host_parked"],
+            "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
+            "disk_spilled": trainer["disk_spilled"], "disk_kv_pool": engine["disk_kv_pool"]})
+        out.update(train_host=trainer["train_host"], engine_weight_copies=engine["engine_weight_copies"])
+        if "device_alloc_peak" in trainer:
+            out["device_alloc_peak"] = trainer["device_alloc_peak"]
+        return out
+
+    @contextmanager
+    def __call__(self, iteration: int, name: str, moved: int = 0) -> Iterator[Phase]:
+        if self.fault is not None:
+            self.fault(iteration, name)
+        phase, t0 = Phase(moved), time.perf_counter()
+        with self.parts.trainer.memory_meter() if name == "train" else nullcontext(None) as peaks:
+            yield phase
+        seconds = time.perf_counter() - t0
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.parts.tracker.log_phase(iteration, name, seconds, phase.moved, self.memory(peaks))
+
 
 def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction: float, max_idle_iterations: int,
              fault: Callable[[int, str], None] | None = None) -> list[dict[str, float]]:
     """Iterations [start, iterations); returns each iteration's metrics (global over ranks). Raises
-    RunBroken (on every rank) when the circuit breaker trips: `max_drop_fraction`
-    (rollout.max_drop_fraction) and `max_idle_iterations` (experiment.max_idle_iterations), see the
-    module docstring. `fault(iteration, phase)` is called as each phase starts (`Phases`)."""
-    p, history, idle = parts, [], 0
-    phases = Phases(p.tracker, p.engine, p.policy, p.trainer, p.ref_model, fault=fault)
-    # bytes a weight sync copies: none when the engine runs on the policy's own tensors
-    weight_bytes = 0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())
-    multiplex = p.store is not None and p.engine.host is not None  # host DRAM: training states <-> KV pool
+    RunBroken (on every rank) when the circuit breaker trips (`_check_breaker`, module docstring).
+    `fault(iteration, phase)` is called as each phase starts (`Phases`)."""
+    p, cfg, history, idle = parts, parts.cfg, [], 0
+    phases = Phases(p, fault=fault)
     for it in range(start, iterations):
-        if multiplex:
-            if not p.trainer.states_spilled:  # the first iteration (or a resume's): the states leave first
-                phases.run(it, "offload", lambda: _offload_train_state(p),
-                           bytes_moved=p.trainer.optimizer.spillable_bytes())
-            phases.run(it, "host_in", lambda: p.engine.cache.restore_host(p.store, _sequences(p.engine),
-                                                                          _host_pool_pages(p)), bytes_moved=lambda n: n)
-        if p.engine.pool.is_released:
-            phases.run(it, "wake", p.engine.wake)
-        checksum = phases.run(it, "load_weights", lambda: _sync_weights(p, version=it + 1), bytes_moved=weight_bytes)
-        val = (phases.run(it, "eval", lambda: p.evaluate(it)) if p.evaluate is not None
-               and eval_due(it, p.eval_every, p.eval_before_train) else {})  # before the rollout touches the engine
-        with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar:
-            rollout = phases.run(it, "rollout", lambda: p.driver.run_iteration(progress=bar))
-        if p.release_pool:
-            pool_bytes = p.engine.pool.num_pages * p.engine.layout.page_bytes
-            host_tier = p.engine.cache.host_tier
-            written = host_tier.pages_written_back if host_tier is not None else 0
-            phases.run(it, "sleep", p.engine.sleep, bytes_moved=pool_bytes)  # drops the fused copies too
-            if "host_pages_written_back" in rollout:  # the sleep's write-back belongs to this iteration too
-                rollout["host_pages_written_back"] += host_tier.pages_written_back - written
-        else:
-            p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
-        if multiplex:  # the KV pool's contents to NVMe, its DRAM back to the ledger, before the states return
-            phases.run(it, "host_out", lambda: p.engine.cache.spill_host(
-                p.store, _sequences(p.engine), next_version=it + 2, max_staleness=p.max_staleness),
-                bytes_moved=lambda n: n)
-        groups = p.driver.take_finished_groups()
-        local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
-        if p.ranks.world > 1:  # the rollout -> train boundary: every rank has finished its rollout
-            counts = phases.run(it, "gather", lambda: p.ranks.sum(local))
-        else:
-            counts = local
-        num_groups, num_tokens, num_seqs = (int(c) for c in counts)
+        _host_in(p, phases, it)
+        if p.engine.is_asleep:
+            with phases(it, "wake"):
+                p.engine.wake()
+        with phases(it, "load_weights", moved=0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())):
+            checksum = _sync_weights(p, version=it + 1)
+        val = {}
+        if p.evaluate is not None and cfg.eval.is_due(it):
+            with phases(it, "eval"):  # on the weights just loaded, before the rollout touches the engine
+                val = p.evaluate(it)
+        in_flight = _groups_in_flight(p)  # over all ranks, at the phase boundary (never inside the rollout)
+        with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar, \
+                phases(it, "rollout"):
+            rollout = p.driver.rollout(progress=bar, groups_in_flight=in_flight)
+        _release_engine(p, phases, it, rollout)
+        num_groups, num_tokens, num_seqs = _global_counts(p, phases, it, rollout.groups)
         if p.trainer.states_spilled:
-            phases.run(it, "restore", p.trainer.restore_states, bytes_moved=p.trainer.optimizer.spilled_bytes)
-        train = (phases.run(it, "train", lambda: _train(p, groups, num_tokens, num_seqs)) if num_groups
-                 else {"train_skipped": 1.0})
-        metrics, errors = _iteration_metrics(p, groups, {**rollout, **val}, train, phases.seconds)
-        metrics["engine_checksum"] = checksum
-        # Logged before the checkpoint publishes `latest`: a crash in between costs a re-run of this
-        # iteration (whose metrics the resume then replaces), never a published iteration without
-        # its metrics. (The checkpoint's own seconds are in phases.jsonl.)
-        p.tracker.log(it, metrics)
-        # data.epochs used up and every group trained: this iteration is the run's last (saved as such)
-        # the flag is the same on every rank (one global row order); so is this sum
-        exhausted = p.driver.data_exhausted and not p.ranks.sum([len(p.driver.carry) + len(p.driver.group_sizes)])[0]
-        phases.run(it, "checkpoint", lambda: save_iteration(p, it, p.checkpoint, final=it == iterations - 1 or exhausted,
-                                                            fault=phases.fault))
-        phases.run(it, "offload", lambda: _offload_train_state(p),
-                   bytes_moved=p.trainer.optimizer.spillable_bytes() if p.store is not None else 0)
-        if train.get("skipped"):
-            p.tracker.console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
-                                    f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")
-        if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
-            p.tracker.console.print(
-                f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "
-                f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
-                f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s")
-        for error in errors:
-            p.tracker.console.print(f"[yellow]dropped[/yellow] {escape(error)}")  # "[c]" is an answer, not markup
+            with phases(it, "restore", moved=p.trainer.spilled_bytes):
+                p.trainer.restore_states()
+        train = {"train_skipped": 1.0}
+        if num_groups:
+            with phases(it, "train"):
+                train = _train(p, rollout.groups, num_tokens, num_seqs)
+        metrics, errors = _iteration_metrics(p, rollout, val, train, phases.seconds, checksum)
+        p.tracker.log(it, metrics)  # before the checkpoint publishes `latest` (a crash between re-runs it)
+        exhausted = p.driver.data_exhausted and not p.ranks.sum([p.driver.unfinished_groups])[0]
+        with phases(it, "checkpoint"):
+            save_iteration(p, it, cfg.checkpoint, final=it == iterations - 1 or exhausted, fault=phases.fault)
+        with phases(it, "offload", moved=p.trainer.spillable_bytes if p.store is not None else 0):
+            _offload_train_state(p)
+        _print_iteration(p, it, iterations, metrics, train, errors, exhausted)
         phases.seconds.clear()
         history.append(metrics)
-        idle = 0 if metrics["groups_trained"] or metrics["trajectories_carried"] else idle + 1
-        _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
+        idle = _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
         if exhausted:
-            p.tracker.console.print(f"data exhausted after iteration {it} (data.epochs): every group trained")
             break
     return history
 
 
+def _groups_in_flight(p: LoopParts) -> int | None:
+    """The unfinished groups over all ranks, which rollout.max_groups_in_flight caps (a sum over the
+    ranks, before the rollout); None with one rank or no cap (the driver counts its own)."""
+    if p.ranks.world == 1 or p.cfg.rollout.max_groups_in_flight is None:
+        return None
+    return int(p.ranks.sum([p.driver.unfinished_groups])[0])
+
+
+def _host_in(p: LoopParts, phases: Phases, it: int) -> None:
+    """Before the rollout, when host DRAM is multiplexed (memory.spill_dir and a host KV pool): the
+    training states leave for NVMe first if they are still in DRAM (the first iteration, or a
+    resume's), then the host KV pool leases the DRAM again and reads its kept contents back."""
+    if p.store is None or p.engine.host is None:
+        return
+    if not p.trainer.states_spilled:
+        with phases(it, "offload", moved=p.trainer.spillable_bytes):
+            p.trainer.offload_states(p.store)
+    with phases(it, "host_in") as phase:
+        phase.moved = p.engine.restore_host(p.store)
+
+
+def _release_engine(p: LoopParts, phases: Phases, it: int, rollout: RolloutResult) -> None:
+    """After the rollout: the engine sleeps (memory.release_pool_in_train: its device pool freed,
+    its weight copies dropped; the sleep's host write-back counted in this iteration's rollout
+    figures) or only drops its weight copies; when host DRAM is multiplexed, the host KV pool's
+    contents then go to NVMe and its DRAM back to the ledger, before the training states return."""
+    if p.cfg.memory.release_pool_in_train:
+        with phases(it, "sleep", moved=p.engine.memory()["device_pool"]):
+            written = p.engine.sleep()
+        if "host_pages_written_back" in rollout.metrics:
+            rollout.metrics["host_pages_written_back"] += written
+    else:
+        p.engine.drop_weight_copies()  # the engine holds no weight bytes of its own while training
+    if p.store is not None and p.engine.host is not None:
+        with phases(it, "host_out") as phase:
+            phase.moved = p.engine.spill_host(p.store, next_version=it + 2, max_staleness=p.cfg.rollout.max_staleness)
+
+
+def _global_counts(p: LoopParts, phases: Phases, it: int, groups) -> tuple[int, int, int]:
+    """Finished groups, policy tokens and sequences over all ranks (the loss's global normalisers):
+    the "gather" phase, at the rollout -> train boundary, when there are several ranks."""
+    local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
+    if p.ranks.world == 1:
+        return tuple(local)
+    with phases(it, "gather"):
+        counts = p.ranks.sum(local)
+    return tuple(int(c) for c in counts)
+
+
+def _print_iteration(p: LoopParts, it: int, iterations: int, metrics: dict[str, float], train: dict[str, float],
+                     errors: list[str], exhausted: bool) -> None:
+    """The console's lines for iteration `it`: a skipped update, the progress line (tracking.progress,
+    about 40 per run), each dropped trajectory's error, the end of the data."""
+    console = p.tracker.console
+    if train.get("skipped"):
+        console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
+                      f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")
+    if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
+        console.print(f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "
+                      f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
+                      f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s")
+    for error in errors:
+        console.print(f"[yellow]dropped[/yellow] {escape(error)}")  # "[c]" is an answer, not markup
+    if exhausted:
+        console.print(f"data exhausted after iteration {it} (data.epochs): every group trained")
+
+
 def _check_breaker(it: int, metrics: dict[str, float], idle: int, max_drop_fraction: float,
-                   max_idle_iterations: int) -> None:
+                   max_idle_iterations: int) -> int:
     """RunBroken when iteration `it` (global `metrics`) dropped more than `max_drop_fraction` of the
-    trajectories it ended, or is the `max_idle_iterations`-th idle one in a row (`idle` counts them)."""
+    trajectories it ended, or is the `max_idle_iterations`-th idle one in a row (`idle` counts the
+    idle ones before it; an iteration that trained a group or carried one over is not idle).
+    Returns the idle count including this iteration."""
+    idle = 0 if metrics["groups_trained"] or metrics["trajectories_carried"] else idle + 1
     dropped, finished = int(metrics["trajectories_dropped"]), int(metrics["trajectories_finished"])
     reasons = ", ".join(f"{r} {int(metrics[f'dropped/{r}'])}" for r in DROP_REASONS if metrics[f"dropped/{r}"])
     reasons = f" ({reasons})" if reasons else ""
@@ -343,6 +316,7 @@ def _check_breaker(it: int, metrics: dict[str, float], idle: int, max_drop_fract
                         f"(experiment.max_idle_iterations={max_idle_iterations}); this one dropped "
                         f"{dropped} trajectories{reasons} and finished {finished}; the run stops (raise "
                         f"experiment.max_idle_iterations to wait longer)")
+    return idle
 
 
 def _sync_weights(p: LoopParts, version: int) -> int:
@@ -358,17 +332,17 @@ def _sync_weights(p: LoopParts, version: int) -> int:
     return p.ranks.check_same(f"the engine weights' checksum after loading version {version}", checksum)
 
 
-def _iteration_metrics(p: LoopParts, groups, rollout: dict[str, float], train: dict[str, float],
-                       seconds: dict[str, float]) -> tuple[dict[str, float], list[str]]:
-    """This iteration's metrics over all ranks, and the dropped trajectories' errors (the driver's
-    list is cleared). Rewards are summed in global group order, so one rank and N ranks that
-    generated the same groups report the same reward_mean bit for bit."""
-    local = {"metrics": {**rollout, **train, **{f"seconds/{k}": v for k, v in seconds.items()}},
+def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, float], train: dict[str, float],
+                       seconds: dict[str, float], checksum: int) -> tuple[dict[str, float], list[str]]:
+    """This iteration's metrics over all ranks, and the dropped trajectories' errors (prefixed by
+    their rank when there are several). Rewards are summed in global group order, so one rank and N
+    ranks that generated the same groups report the same reward_mean bit for bit."""
+    groups = rollout.groups
+    local = {"metrics": {**rollout.metrics, **val, **train, **{f"seconds/{k}": v for k, v in seconds.items()}},
              # (group, rewards, correct): correct is the environment's is_correct, else reward >= 1
              "rewards": [(g[0].group_id, [t.reward for t in g],
                           [t.reward >= 1.0 if t.is_correct is None else t.is_correct for t in g]) for g in groups],
-             "errors": list(p.driver.errors)}
-    p.driver.errors.clear()
+             "errors": list(rollout.errors)}
     gathered = p.ranks.all_gather(local)
     metrics = merge_metrics([r["metrics"] for r in gathered]) if p.ranks.world > 1 else local["metrics"]
     ordered = sorted((g for r in gathered for g in r["rewards"]), key=lambda g: g[0])
@@ -377,37 +351,24 @@ def _iteration_metrics(p: LoopParts, groups, rollout: dict[str, float], train: d
     errors = [(f"rank {rank}: " if p.ranks.world > 1 else "") + e for rank, r in enumerate(gathered) for e in r["errors"]]
     metrics.update(groups_trained=float(sum(len(r["rewards"]) for r in gathered)),
                    reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
-                   reward_correct_frac=sum(correct) / len(correct) if correct else float("nan"))
+                   reward_correct_frac=sum(correct) / len(correct) if correct else float("nan"),
+                   engine_checksum=checksum)
     return metrics, errors
 
 
 def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, float]:
     """One policy update on this rank's groups (maybe none), the loss normalised by the global
     counts of policy tokens and sequences (`num_tokens`, `num_seqs`, summed over ranks)."""
-    batch = PackedBatch(groups, p.advantage, device=p.device)
-    ref = (reference_logprobs(p.ref_model, batch, p.num_chunks, p.trainer.config.chunk_split)
+    algo, t = p.cfg.algo, p.cfg.trainer
+    batch = PackedBatch(groups, algo.advantage, device=p.device)
+    ref = (reference_logprobs(p.ref_model, batch, t.num_chunks, t.chunk_split)
            if p.ref_model is not None and batch.num_sequences else None)
     with p.tracker.train_progress(total_steps=1) as bar:
-        metrics = policy_update(p.trainer, batch, p.loss, p.micro_batch_tokens, ref,
-                                global_counts=(num_tokens, num_seqs), ppo_epochs=p.ppo_epochs,
-                                mini_batches=p.mini_batches)
+        metrics = policy_update(p.trainer, batch, algo.loss, t.micro_batch_tokens, ref,
+                                global_counts=(num_tokens, num_seqs), ppo_epochs=algo.ppo_epochs,
+                                mini_batches=algo.mini_batches)
         bar.advance(metrics["loss"])
     return metrics
-
-
-def _sequences(engine: Engine) -> list:
-    """Every sequence the engine still knows (the paused ones park on the host, preempted ones may be
-    swapped out there)."""
-    return [s for request in engine.requests.values() for s in request.seqs]
-
-
-def _host_pool_pages(p: LoopParts) -> int:
-    """Pages the host KV pool leases for this rollout: engine.host_pool_mb's, or with
-    host_pool_mb="auto" every byte the ledger has free now (the spilled states' DRAM)."""
-    host_bytes, page_bytes = p.engine.config.host_pool_bytes, p.engine.layout.page_bytes
-    if host_bytes is None:  # "auto"
-        return p.ledger.free // page_bytes if p.ledger is not None else 0
-    return host_bytes // page_bytes
 
 
 def _offload_train_state(p: LoopParts) -> None:

@@ -98,8 +98,8 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     """
     if ppo_epochs < 1 or mini_batches < 1:
         raise ValueError(f"ppo_epochs={ppo_epochs}, mini_batches={mini_batches}, expected both >= 1")
-    if mini_batches > 1 and trainer.optimizer.world > 1:
-        raise ValueError(f"mini_batches={mini_batches} with {trainer.optimizer.world} data-parallel ranks: "
+    if mini_batches > 1 and trainer.world > 1:
+        raise ValueError(f"mini_batches={mini_batches} with {trainer.world} data-parallel ranks: "
                          f"mini-batches need one rank (algo.mini_batches=1 under DP)")
     policy_tokens = [sum(t.policy[1:]) for t in batch.trajectories]  # per sequence, from the host lists
     splits = mini_batch_split(batch.num_sequences, mini_batches)
@@ -143,8 +143,8 @@ def old_logprobs(trainer: Trainer, batch: PackedBatch, micro_batch_tokens: int |
         offsets.append(offsets[-1] + n)
     for seqs in micro_batches(batch.seq_lens, micro_batch_tokens):
         start, end = offsets[seqs[0]], offsets[seqs[-1] + 1]
-        parts.append(trainer.chunked.forward_logprobs(batch.token_ids[start:end], [batch.seq_lens[i] for i in seqs],
-                                                      batch.targets[start:end]))
+        parts.append(trainer.forward_logprobs(batch.token_ids[start:end], [batch.seq_lens[i] for i in seqs],
+                                              batch.targets[start:end]))
     return torch.cat(parts)
 
 

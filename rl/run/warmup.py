@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -89,21 +87,10 @@ def demo_tokens(env, tokenizer, seed: int, value: bool) -> tuple[list[int], list
     return tokens, policy
 
 
-@contextmanager
-def learning_rate(trainer: Trainer, lr: float | None) -> Iterator[None]:
-    """The trainer's optimizer at `lr` inside the block (None: unchanged), its own lr restored after;
-    the block's steps neither follow nor advance the RL lr schedule (`ShardedHostAdamW.unscheduled`)."""
-    groups = trainer.optimizer.adam.param_groups
-    saved = [g["lr"] for g in groups]
-    if lr is not None:
-        for g in groups:
-            g["lr"] = lr
-    try:
-        with trainer.optimizer.unscheduled():
-            yield
-    finally:
-        for g, value in zip(groups, saved):
-            g["lr"] = value
+def learning_rate(trainer: Trainer, lr: float | None):
+    """A context: the trainer's optimizer at `lr` inside the block (None: unchanged), its own lr
+    restored after; the block's steps neither follow nor advance the RL lr schedule."""
+    return trainer.unscheduled(lr)
 
 
 def warmup_step(trainer: Trainer, episodes: list[tuple[list[int], list[bool]]], ranks: Ranks,

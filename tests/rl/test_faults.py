@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import pytest
 
-import rl.train
 from rl.run.loop import RunBroken
 from rl.run.ranks import merge_metrics
 from rl.episodes.driver import DROP_REASONS
@@ -107,16 +106,8 @@ def test_a_fault_drops_only_its_trajectory_or_its_group_and_the_run_completes(tm
     assert merged[f"dropped/{reason}"] == 2 * num_dropped and merged["trajectories_dropped"] == 2 * num_dropped
 
 
-def test_an_environment_call_past_the_timeout_drops_that_trajectory(tmp_path, capsys, faulty, monkeypatch):
-    build = rl.train.build
-
-    def short_timeout(*args, **kwargs):
-        parts = build(*args, **kwargs)
-        parts.driver.env_timeout_s = 2.0  # the one hung call waits for the test's release
-        return parts
-
-    monkeypatch.setattr(rl.train, "build", short_timeout)
-    (h,) = faulty_run(tmp_path, "hang")
+def test_an_environment_call_past_the_timeout_drops_that_trajectory(tmp_path, capsys, faulty):
+    (h,) = faulty_run(tmp_path, "hang", "env.timeout_s=2")  # the one hung call waits for the test's release
     assert h["dropped/timeout"] == 1 and h["trajectories_dropped"] == 1 and h["train_sequences"] == 15
     out = " ".join(capsys.readouterr().out.split())
     assert "EnvTimeout: step did not return within env.timeout_s=2 (reason: timeout)" in out, out

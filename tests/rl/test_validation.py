@@ -204,16 +204,12 @@ def test_the_loop_runs_an_eval_phase_and_logs_val_metrics(tmp_path, extra):
     iterations = 3 if extra == KV_CARRY else 2  # the carried groups train in a later iteration
 
     def loop(run_dir, every):
+        evaluation = ("eval.every=1", "eval.before_train=true", "eval.num_prompts=3", "eval.n=2",
+                      "eval.temperature=1.0") if every else ()
         cfg = composed(f"run_dir={run_dir}", f"experiment.iterations={iterations}", "tracking.wandb_mode=disabled",
                        "tracking.progress=false", "rollout.groups_per_iteration=2", "algo.group_size=4",
-                       *extra)
+                       *evaluation, *extra)
         parts = build(cfg, resume_from=None)
-        if every:
-            config = EvalConfig(every=1, before_train=True, num_prompts=3, n=2, temperature=1.0)
-            parts.evaluate = evaluator(parts.engine, parts.driver.tokenizer, cfg.task.name, cfg.task.params, config,
-                                       seed=cfg.seed, out_dir=run_dir,
-                                       rollout_max_new_tokens=cfg.rollout.max_new_tokens)
-            parts.eval_every, parts.eval_before_train = config.every, config.before_train
         return run_loop(parts, 0, iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
                         max_idle_iterations=cfg.experiment.max_idle_iterations)
 
