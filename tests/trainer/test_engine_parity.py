@@ -42,11 +42,13 @@ def test_bf16_trainer_and_engine_logprobs_agree_within_bf16_noise():
     Bound and why: bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op). Every
     layer rounds its output to bf16 after a different op order on each side, and the error of
     the residual stream compounds over the 8 layers into logits that differ by ~1e-2 of their
-    spread, so a token's log-probability differs by a few hundredths of a nat on average (measured
-    ~0.05 here; fp32 gives ~1e-6, the first test) and most on unlikely tokens, whose log-probability
-    is a small difference of large logits. In probability space that is small: the importance
-    ratio exp(old - behaviour) the loss uses moves by a few percent on typical tokens. Asserted:
-    mean |d logp| <= 0.1 nats, 90th percentile <= 0.15, max |d p| <= 0.05."""
+    spread, so a token's log-probability differs by a few hundredths of a nat on average and most
+    on unlikely tokens, whose log-probability is a small difference of large logits (fp32 gives
+    ~1e-6, the first test). How much depends on the CPU's bf16 matmul kernels: mean 0.052, p90
+    0.076 where bf16 is widened to fp32 (AVX2/AVX-512F), mean 0.100, p90 0.27 with AMX-BF16 tiles.
+    In probability space that is small either way (max |d p| 0.014 / 0.016): the importance ratio
+    exp(old - behaviour) the loss uses moves by a few percent on typical tokens. Asserted:
+    mean |d logp| <= 0.15 nats, 90th percentile <= 0.4, max |d p| <= 0.05."""
     from models.precision import cast_parameters
 
     model = cast_parameters(HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=5, std=0.1),
@@ -55,6 +57,6 @@ def test_bf16_trainer_and_engine_logprobs_agree_within_bf16_noise():
     diff = (ours - expected).abs()
     print(f"bf16 trainer vs engine: mean |d logp| {diff.mean():.4f}, p90 {diff.quantile(0.9):.4f}, "
           f"max {diff.max():.4f}, max |d p| {(ours.exp() - expected.exp()).abs().max():.4f}")
-    assert diff.mean() <= 0.1 and diff.quantile(0.9) <= 0.15
+    assert diff.mean() <= 0.15 and diff.quantile(0.9) <= 0.4
     assert (ours.exp() - expected.exp()).abs().max() <= 0.05
     assert diff.mean() > 1e-4  # really bf16 on both sides (fp32 agrees to ~1e-6)
