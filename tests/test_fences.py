@@ -122,3 +122,16 @@ def test_no_private_attribute_across_files(path: Path):
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_private_name_imported_across_files(path: Path):
     assert private_imports(path.read_text()) == []
+
+
+def loop_shape(source: str, name: str = "run_loop") -> tuple[int, list[int]]:
+    """(lines of function `name`, the lines of the lambdas inside it)."""
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return fn.end_lineno - fn.lineno + 1, [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Lambda)]
+
+
+def test_the_loop_is_one_screen_of_explicit_calls():
+    """run_loop fits one screen (<= 45 lines) and no lambda stands in for a phase in it."""
+    assert loop_shape("def run_loop(p):\n    x = lambda: p.engine.sleep()\n    return x\n") == (3, [2])
+    lines, lambdas = loop_shape((ROOT / "rl/run/loop.py").read_text())
+    assert lines <= 45 and lambdas == [], (lines, lambdas)
