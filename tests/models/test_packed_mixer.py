@@ -54,7 +54,9 @@ def test_triton_kda_training_path_matches_the_torch_twin():
     # The training forward and backward with chunk_kda's Triton kernels (their backward is the
     # autograd) against the torch path run in float64: the output and every parameter's gradient are within the
     # fp32 torch path's own rounding (x2, floor 1e-5 relative), lengths across a 64-token chunk.
-    # (The gate parameters' gradients sum dg over every token: fp32 torch itself is 6e-5 off there.)
+    # The gate parameters' gradients (A_log, dt_bias) sum dg over every token, so an fp32 path is a
+    # few 1e-5 off there whatever its order of operations (torch's fp32 measured 8e-6 or 6e-5 on
+    # two CPUs, the Triton path 7e-5): their floor is 1e-4.
     cfg = load_model_config("configs/model/tiny.yaml")
     lens = [70, 9]
     ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(4))
@@ -71,4 +73,5 @@ def test_triton_kda_training_path_matches_the_torch_twin():
     assert any("A_log" in n for n in ref), "the KDA gate parameters must be in the loss"
     for name, b in ref.items():
         err = {key: ((run[name] - b).norm() / b.norm()).item() for key, run in runs.items()}
-        assert err["triton", torch.float32] <= max(2 * err["naive", torch.float32], 1e-5), (name, err)
+        floor = 1e-4 if name.endswith(("A_log", "dt_bias")) else 1e-5
+        assert err["triton", torch.float32] <= max(2 * err["naive", torch.float32], floor), (name, err)

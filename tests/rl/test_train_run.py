@@ -215,9 +215,11 @@ def test_host_pages_written_back_counts_the_write_back_at_sleep(tmp_path, monkey
 
     def watched(self):
         before = self.cache.host_tier.pages_written_back
-        sleep(self)
+        written = sleep(self)
         engines.append(self)
         at_sleep.append(self.cache.host_tier.pages_written_back - before)
+        assert written == at_sleep[-1], "sleep returns the pages it wrote back"
+        return written
 
     monkeypatch.setattr(Engine, "sleep", watched)
     history = run(composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, "task=key_lookup",
