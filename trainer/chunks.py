@@ -10,6 +10,8 @@ chunk's forward with autograd, backpropagates the gradient arriving from the chu
 hands the finished chunk to `on_chunk_done` before moving down. So at any moment only one chunk's
 activation graph is alive and each chunk's parameter gradients are complete, and final, when
 its callback runs: the point where a gradient arena can reduce-scatter them and free the slot.
+`forward_backward_batches` does the same for several micro-batches chunk-major (every micro-batch's
+backward of a chunk before the next chunk down), so each chunk's callback runs once per step.
 Gradients equal a plain backward of the whole model (tests/trainer/test_chunks.py).
 """
 from __future__ import annotations
@@ -23,6 +25,18 @@ from torch import nn
 from models.fused import unfused
 from models.model import HybridLM, Mixer, PackedMixer
 from models.state import SegmentBatch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of packed sequences (`ChunkedModel.forward_backward_batches`)."""
+    token_ids: torch.Tensor
+    """[N] packed token ids; sequence i owns `seq_lens[i]` consecutive rows."""
+    seq_lens: Sequence[int]
+    targets: torch.Tensor
+    """[N] next-token targets."""
+    loss_fn: Callable[[torch.Tensor], torch.Tensor]
+    """Per-token logprobs [N] (float32, differentiable) -> a scalar."""
 
 
 @dataclass(frozen=True)
@@ -182,51 +196,66 @@ class ChunkedModel:
         `on_chunk_start(c)` runs right before chunk c's backward (bind its gradient buffer there),
         `on_chunk_done(c)` right after its gradients are final, for c = last .. 0.
         """
+        (loss, logprobs), = self.forward_backward_batches([MicroBatch(token_ids, seq_lens, targets, loss_fn)],
+                                                          on_chunk_done, logprob_chunk_len, on_chunk_start)
+        return loss, logprobs
+
+    def forward_backward_batches(self, batches: Sequence[MicroBatch], on_chunk_done: Callable[[int], None] | None = None,
+                                 logprob_chunk_len: int = 1024, on_chunk_start: Callable[[int], None] | None = None
+                                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several micro-batches, chunk-major: each runs its graph-free forward (keeping its chunk
+        inputs), then for each chunk, last to first, every micro-batch's recompute + backward
+        accumulates into the chunk's gradients before `on_chunk_done(c)`: one call per chunk per
+        step whatever the number of micro-batches (so one gradient reduction), at the price of every
+        micro-batch's chunk inputs held between the forward and the backward. `on_chunk_start(c)`
+        runs before chunk c's first backward. With no batch (a data-parallel rank without work) the
+        callbacks still run, on zero gradients. Returns each batch's (loss, logprobs), detached."""
+        staged = [self._staged_forward(b) for b in batches]
+        grads_out: list[torch.Tensor | None] = [None] * len(batches)
+        results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
+        for c in reversed(range(len(self.specs))):
+            if on_chunk_start is not None:
+                on_chunk_start(c)
+            for m, (batch, (inputs, packed)) in enumerate(zip(batches, staged)):
+                x = inputs[c].detach().requires_grad_(c > 0)
+                if c == 0:
+                    x = self.model.model.embed_tokens(batch.token_ids)
+                out = self._run_chunk(c, x, packed)
+                if self.specs[c].has_head:
+                    logp = self.model.packed_logprobs(self.model.model.norm(out), batch.targets, logprob_chunk_len)
+                    loss = batch.loss_fn(logp)
+                    results[m] = (loss.detach(), logp.detach())
+                    loss.backward()
+                else:
+                    out.backward(grads_out[m])
+                grads_out[m] = x.grad if c > 0 else None
+                inputs[c] = None  # this chunk's input is no longer needed
+            if on_chunk_done is not None:
+                on_chunk_done(c)
+        return results
+
+    def _staged_forward(self, batch: MicroBatch) -> tuple[list[torch.Tensor], PackedMixer]:
+        """One micro-batch's forward without a graph: (the hidden state entering each chunk, its
+        staged mixer). Whole sequences from position 0: the batched mixer (its index tensors reach
+        the device in one copy, before any layer runs); keep_attention: the graph-free pass keeps
+        each MLA layer's attention output (O(L)) so the recompute does not run the quadratic
+        forward twice (models.mla.causal_attention; CPU). Unfused (models/fused.py), as the
+        recompute under autograd is: the chunk inputs must be exactly what a plain forward makes
+        (in bf16 the fused projections round differently). The last chunk is not run: its output
+        is only needed with a graph, and its recompute comes first in the backward walk."""
+        token_ids, seq_lens, targets = batch.token_ids, batch.seq_lens, batch.targets
         if token_ids.shape != targets.shape or token_ids.dim() != 1:
             raise ValueError(f"token_ids {tuple(token_ids.shape)} and targets {tuple(targets.shape)} must be "
                              f"the same 1-D packed shape")
         if sum(seq_lens) != token_ids.numel() or any(n < 1 for n in seq_lens):
             raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
-        # Whole sequences from position 0: the batched mixer (one padded batch, no per-sequence loop).
-        # its index tensors reach the device in one copy, before any layer runs
-        # keep_attention: the graph-free pass keeps each MLA layer's attention output (O(L)) so the
-        # recompute does not run the quadratic forward twice (models.mla.causal_attention; CPU)
         packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)),
                              keep_attention=True).stage(token_ids.device)
-
-        def mixer() -> PackedMixer:
-            return packed
-
-        # Forward without a graph, keeping only each chunk's input. Unfused (models/fused.py), as the
-        # recompute under autograd is: the chunk inputs must be exactly what a plain forward makes
-        # (in bf16 the fused projections round differently).
-        # The last chunk is not run here: its output is only needed with a graph, and its recompute
-        # comes first in the backward walk.
         inputs = []
         with torch.no_grad(), unfused():
             hidden = self.model.model.embed_tokens(token_ids)  # [N, D]
             for c in range(len(self.specs)):
                 inputs.append(hidden)
                 if c + 1 < len(self.specs):
-                    hidden = self._run_chunk(c, hidden, mixer())
-        # Backward chunk by chunk, recomputing each chunk's forward.
-        grad_out, loss, logprobs = None, None, None
-        for c in reversed(range(len(self.specs))):
-            x = inputs[c].detach().requires_grad_(c > 0)
-            if c == 0:
-                x = self.model.model.embed_tokens(token_ids)
-            out = self._run_chunk(c, x, mixer())
-            if on_chunk_start is not None:
-                on_chunk_start(c)
-            if self.specs[c].has_head:
-                logp = self.model.packed_logprobs(self.model.model.norm(out), targets, logprob_chunk_len)
-                loss = loss_fn(logp)
-                logprobs = logp.detach()
-                loss.backward()
-            else:
-                out.backward(grad_out)
-            grad_out = x.grad if c > 0 else None
-            inputs[c] = None  # this chunk's input is no longer needed
-            if on_chunk_done is not None:
-                on_chunk_done(c)
-        return loss.detach(), logprobs
+                    hidden = self._run_chunk(c, hidden, packed)
+        return inputs, packed

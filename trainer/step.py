@@ -44,7 +44,7 @@ from models.checkpoint import save_checkpoint
 from models.model import HybridLM
 from models.precision import dtype_name
 from trainer.activation_meter import SavedTensorMeter
-from trainer.chunks import CHUNK_SPLITS, ChunkedModel
+from trainer.chunks import CHUNK_SPLITS, ChunkedModel, MicroBatch
 from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
 
 
@@ -148,6 +148,8 @@ class Trainer:
         self.arena = GradArena(slot_numel, config.num_grad_slots, device)
         self.step_count = 0
         self.bad_steps_in_a_row = 0
+        self.num_grad_reductions = 0
+        """Chunk gradients reduced into the host shards since the trainer was built (one per chunk per step)."""
         self.host_grads_peak = 0
         """The gradient shards' host bytes right before the optimizer steps, their peak since `memory_meter` began."""
         self._bound: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -288,6 +290,7 @@ class Trainer:
         else:
             mine = flat
         self.optimizer.add_grad(chunk, mine)
+        self.num_grad_reductions += 1
         for p in params:
             p.grad = None
             if p.dtype != torch.float32:
@@ -345,35 +348,26 @@ class Trainer:
     def _forward_backward(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                           loss_fn: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor],
                           plan: list[list[int]]) -> torch.Tensor:
-        """Every micro-batch of `plan` through the chunked model, each chunk's gradient reduced into
-        the host shards as it completes; returns the summed loss (a device scalar, not synced)."""
+        """Every micro-batch of `plan` through the chunked model, chunk-major: each chunk's gradient
+        accumulates over all the micro-batches in its slot, then is reduced into the host shards
+        once (one reduce-scatter per chunk per step, on every rank: a rank without sequences
+        reduces zeros). Returns the summed loss (a device scalar, not synced)."""
         comm = self.arena.device
-        # Every rank runs the same number of micro-batches (each one is a round of collectives);
-        # a rank with fewer sequences (or none: DP ranks without work this step) contributes zero
-        # gradients in its extra rounds.
-        num_rounds = len(plan)
-        if self.optimizer.world > 1:
-            rounds = torch.tensor([num_rounds], device=comm)
-            dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
-            num_rounds = int(rounds.item())
         offsets = [0]
         for n in seq_lens:
             offsets.append(offsets[-1] + n)
-        loss = torch.zeros((), device=comm)
-        for r in range(num_rounds):
-            if r >= len(plan):
-                for c in reversed(range(self.config.num_chunks)):
-                    self._bind(c)
-                    self._reduce_and_release(c)
-                continue
+        batches = []
+        for seqs in plan:
             # A micro-batch is a run of consecutive sequences (micro_batches packs in order): its
             # rows are one slice, so no index tensor is built on the host and copied over.
-            start, end = offsets[plan[r][0]], offsets[plan[r][-1] + 1]
+            start, end = offsets[seqs[0]], offsets[seqs[-1] + 1]
             rows = torch.arange(start, end, device=comm)  # [n], made on the device
-            seqs = plan[r]
-            part, _ = self.chunked.forward_backward(token_ids[start:end], [seq_lens[i] for i in seqs], targets[start:end],
-                                                    lambda lp, rows=rows, seqs=seqs: loss_fn(lp, rows, seqs),
-                                                    on_chunk_start=self._bind, on_chunk_done=self._reduce_and_release)
+            batches.append(MicroBatch(token_ids[start:end], [seq_lens[i] for i in seqs], targets[start:end],
+                                      lambda lp, rows=rows, seqs=seqs: loss_fn(lp, rows, seqs)))
+        results = self.chunked.forward_backward_batches(batches, on_chunk_start=self._bind,
+                                                        on_chunk_done=self._reduce_and_release)
+        loss = torch.zeros((), device=comm)
+        for part, _ in results:
             loss = loss + part
         self.arena.check_integrity()
         return loss

@@ -132,3 +132,44 @@ def test_each_layer_runs_twice_except_the_last_chunk_once(model):
             h.remove()
     last = set(chunked.specs[-1].layers)
     assert calls == [1 if i in last else 2 for i in range(len(calls))]
+
+
+def test_chunk_major_micro_batches_equal_one_pass_per_micro_batch(model):
+    """forward_backward_batches (every micro-batch's backward of a chunk before the next chunk down,
+    each chunk's callback once) accumulates the same gradients as one forward_backward per
+    micro-batch (each calling every chunk's callback), within 1e-6; the losses are the same."""
+    from trainer.chunks import MicroBatch
+
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for lens in ([7, 12], [20], [3, 5, 9]):
+        tokens = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=gen)
+        batches.append((tokens, lens, tokens.roll(-1)))
+    chunked = ChunkedModel(model, 3)
+    model.zero_grad()
+    per_batch = [chunked.forward_backward(t, lens, y, lambda lp: -lp.mean())[0] for t, lens, y in batches]
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    calls = []
+    results = chunked.forward_backward_batches([MicroBatch(t, lens, y, lambda lp: -lp.mean()) for t, lens, y in batches],
+                                               on_chunk_done=lambda c: calls.append(("done", c)),
+                                               on_chunk_start=lambda c: calls.append(("start", c)))
+    assert calls == [(kind, c) for c in (2, 1, 0) for kind in ("start", "done")]
+    assert [r[0].item() for r in results] == [loss.item() for loss in per_batch]
+    for n, p in model.named_parameters():
+        if n in expected:
+            assert rel_err(p.grad, expected[n]) <= 1e-6, n
+    model.zero_grad()
+
+
+def test_a_train_step_reduces_each_chunk_once_whatever_its_micro_batches():
+    """Four micro-batches, four chunks: one gradient reduction per chunk in the step."""
+    from trainer.step import Trainer, TrainerConfig
+
+    model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=2, std=0.1)
+    trainer = Trainer(model, TrainerConfig(num_chunks=4))
+    lens = [10, 12, 9, 11]
+    tokens = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    metrics = trainer.train_step(tokens, lens, tokens.roll(-1), lambda lp, rows, seqs: -lp.sum() / len(tokens),
+                                 micro_batch_tokens=12)
+    assert metrics["micro_batches"] == 4 and trainer.num_grad_reductions == 4

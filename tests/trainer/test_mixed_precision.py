@@ -162,9 +162,18 @@ def test_bf16_two_processes_over_gloo_equal_one_process(tmp_path):
             shard = mine.numel()
             piece = whole[rank * shard:(rank + 1) * shard]
             assert rel_err(mine[:piece.numel()], piece) <= 1e-6, (rank, c)
+        flipped, total = 0, 0
         for name, tensor in out["state"].items():
             want = one.model.state_dict()[name]
             assert tensor.dtype == want.dtype
-            # a master within 1e-6 may still round to the neighbouring bf16 value: count such flips
-            flips = (tensor != want).float().mean().item() if tensor.is_floating_point() else 0.0
-            assert flips <= 1e-3, (rank, name, flips)
+            if not tensor.is_floating_point():
+                continue
+            if tensor.dtype != torch.bfloat16:  # the parameters kept in FP32: their masters' bound
+                assert rel_err(tensor, want) <= 1e-6, (rank, name)
+                continue
+            # a master within 1e-6 may still round to the neighbouring bf16 value, never further
+            # (same-sign bf16 values are neighbours when their bit patterns differ by one)
+            steps = (tensor.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            assert int(steps.max()) <= 1, (rank, name, int(steps.max()))
+            flipped, total = flipped + int((steps > 0).sum()), total + tensor.numel()
+        assert flipped <= 1e-3 * total, (rank, flipped, total)  # over the whole model
