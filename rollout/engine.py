@@ -473,7 +473,7 @@ class Engine:
         return fused_bytes(self.model)
 
     def check_integrity(self) -> None:
-        seqs = [s for r in self.requests.values() for s in r.seqs]
+        seqs = self.sequences()
         self.cache.check_integrity(seqs)
         for s in seqs:
             if s.status in (SeqStatus.WAITING, SeqStatus.FINISHED) and s.holds_pages:

@@ -87,12 +87,6 @@ def demo_tokens(env, tokenizer, seed: int, value: bool) -> tuple[list[int], list
     return tokens, policy
 
 
-def learning_rate(trainer: Trainer, lr: float | None):
-    """A context: the trainer's optimizer at `lr` inside the block (None: unchanged), its own lr
-    restored after; the block's steps neither follow nor advance the RL lr schedule."""
-    return trainer.unscheduled(lr)
-
-
 def warmup_step(trainer: Trainer, episodes: list[tuple[list[int], list[bool]]], ranks: Ranks,
                 micro_batch_tokens: int | None = None) -> dict[str, float]:
     """One trainer step on the mean NLL of the answer tokens of `episodes` (all ranks' list; this
@@ -146,7 +140,7 @@ def run_warmup(config: WarmupConfig, *, trainer: Trainer, engine: Engine, tokeni
     before = evaluate(engine, tokenizer, task_name, task_params, rollout, **kw)
     env = make_task(task_name, **task_params)
     steps = []
-    with learning_rate(trainer, config.lr):
+    with trainer.unscheduled(config.lr):  # the warm-up's lr, outside the RL schedule
         for step in range(config.steps):
             episodes = [demo_tokens(env, tokenizer, mix_seed(seed, DEMO_STREAM, step, k), config.value)
                         for k in range(config.episodes_per_step)]

@@ -12,7 +12,7 @@ from rl.run.figures import reward_figures
 from rl.run.ranks import Ranks
 from rl.envs.tasks import make_task
 from rl.train import run
-from rl.run.warmup import WarmupConfig, demo_tokens, learning_rate, load_record, warmup_step
+from rl.run.warmup import WarmupConfig, demo_tokens, load_record, warmup_step
 from tests.rl.test_config import composed
 from trainer.step import Trainer, TrainerConfig
 
@@ -44,7 +44,7 @@ def test_warmup_steps_lower_the_demonstrations_loss_and_restore_the_learning_rat
     env, tok = make_task("key_lookup", brackets=False), ByteTokenizer()
     episodes = [demo_tokens(env, tok, seed, value=True) for seed in range(16)]
     rl_lr = trainer.optimizer.adam.param_groups[0]["lr"]
-    with learning_rate(trainer, 3e-3):
+    with trainer.unscheduled(3e-3):
         assert trainer.optimizer.adam.param_groups[0]["lr"] == 3e-3
         losses = [warmup_step(trainer, episodes, Ranks())["loss"] for _ in range(12)]
     assert trainer.optimizer.adam.param_groups[0]["lr"] == rl_lr
