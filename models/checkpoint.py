@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
+from models.mlp import Experts
 from models.model import HybridLM
 from models.precision import KEEP_FP32
 
@@ -50,27 +51,68 @@ def to_disk_name(name: str) -> str:
     return _MLP.sub(r"\1block_sparse_moe.", name)
 
 
-def _to_disk(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One of our tensors -> its on-disk (name, tensor) pieces (views, no copies)."""
+def _to_disk(name: str, tensor: torch.Tensor, first: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """One of our tensors -> its on-disk (name, tensor) pieces (views, no copies). A stacked expert
+    tensor holding global experts `first` .. (expert parallelism: this rank's share) names each
+    piece by its global index."""
     disk = to_disk_name(name)
     if name.endswith("self_attn.A_log"):
         return [(disk, tensor.reshape(1, 1, -1, 1))]
     stacked = _STACKED_EXPERTS.match(disk)
     if stacked:
         prefix, w = stacked.groups()
-        return [(f"{prefix}.experts.{e}.{w}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        return [(f"{prefix}.experts.{first + e}.{w}.weight", tensor[e]) for e in range(tensor.shape[0])]
     return [(disk, tensor)]
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory by on-disk name (single file or sharded)."""
+def _expert_layout(model: HybridLM) -> dict[str, tuple[int, int]]:
+    """(first global expert, global expert count) of every stacked expert tensor, by our name."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for w in ("w1", "w2", "w3"):
+                out[f"{name}.{w}"] = (module.first, module.num_global)
+    return out
+
+
+def disk_pieces(model: HybridLM, state: dict[str, torch.Tensor] | None = None
+                ) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Our name -> the on-disk (name, tensor) pieces of the tensor `model` holds (this rank's experts)."""
+    layout = _expert_layout(model)
+    state = model.state_dict(keep_vars=True) if state is None else state
+    return {n: _to_disk(n, t, layout.get(n, (0, 0))[0]) for n, t in state.items()}
+
+
+def disk_shapes(model: HybridLM) -> dict[str, tuple[int, ...]]:
+    """Every on-disk tensor name of the whole model (all experts, whatever this rank holds) -> shape."""
+    layout = _expert_layout(model)
+    shapes = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in layout:
+            prefix, w = _STACKED_EXPERTS.match(to_disk_name(name)).groups()
+            for e in range(layout[name][1]):
+                shapes[f"{prefix}.experts.{e}.{w}.weight"] = tuple(t.shape[1:])
+        else:
+            shapes.update((d, tuple(piece.shape)) for d, piece in _to_disk(name, t))
+    return shapes
+
+
+def _disk_files(path: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """(weight map or None for a single file, the files to read) of a checkpoint directory."""
     if (path / INDEX_FILE).exists():
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SINGLE_FILE).exists():
-        weight_map, files = None, [SINGLE_FILE]
-    else:
-        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        return weight_map, sorted(set(weight_map.values()))
+    if (path / SINGLE_FILE).exists():
+        return None, [SINGLE_FILE]
+    raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _read_tensors(path: Path, wanted: set[str] | None = None
+                  ) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.Tensor]]:
+    """(shape of every tensor on disk, the `wanted` ones read (all with None)) of a checkpoint
+    directory, single file or sharded. Only the wanted tensors are read from the files."""
+    weight_map, files = _disk_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         if not (path / file).exists():
@@ -80,11 +122,13 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 if weight_map is not None and weight_map.get(name) != file:
                     raise CheckpointError(f"{path}: tensor {name} found in {file} but the index maps it to "
                                           f"{weight_map.get(name)!r}")
-                tensors[name] = f.get_tensor(name)
-    if weight_map is not None and set(weight_map) - set(tensors):
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+                if wanted is None or name in wanted:
+                    tensors[name] = f.get_tensor(name)
+    if weight_map is not None and set(weight_map) - set(shapes):
         raise CheckpointError(f"{path}: tensors listed in {INDEX_FILE} are absent from their shards: "
-                              f"{sorted(set(weight_map) - set(tensors))[:10]}")
-    return tensors
+                              f"{sorted(set(weight_map) - set(shapes))[:10]}")
+    return shapes, tensors
 
 
 def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None, assign: bool = True) -> HybridLM:
@@ -95,15 +139,18 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
 
     Strict: every missing, unexpected or mis-shaped tensor is reported by its on-disk name with
     the expected and actual shapes, and nothing is loaded unless all match. Returns the model.
+    An expert-parallel model (models/expert_parallel.py) reads only its own experts' tensors; the
+    check covers the whole model's.
     """
     path = Path(path)
-    on_disk = _read_tensors(path)
     ours = model.state_dict(keep_vars=True)
-    expected = {d: tuple(t.shape) for n, p in ours.items() for d, t in _to_disk(n, p)}
-    missing = [f"{d} (expected shape {list(s)})" for d, s in expected.items() if d not in on_disk]
-    extra = [f"{d} (shape {list(t.shape)})" for d, t in on_disk.items() if d not in expected]
-    bad_shape = [f"{d}: expected shape {list(expected[d])}, found {list(t.shape)}"
-                 for d, t in on_disk.items() if d in expected and tuple(t.shape) != expected[d]]
+    pieces_of = disk_pieces(model, ours)
+    expected = disk_shapes(model)
+    shapes, on_disk = _read_tensors(path, {d for pieces in pieces_of.values() for d, _ in pieces})
+    missing = [f"{d} (expected shape {list(s)})" for d, s in expected.items() if d not in shapes]
+    extra = [f"{d} (shape {list(s)})" for d, s in shapes.items() if d not in expected]
+    bad_shape = [f"{d}: expected shape {list(expected[d])}, found {list(s)}"
+                 for d, s in shapes.items() if d in expected and s != expected[d]]
     if missing or extra or bad_shape:
         lines = [f"checkpoint {path} does not match the model described by its config:"]
         for title, items in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", bad_shape)):
@@ -112,7 +159,7 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
         raise CheckpointError("\n".join(lines))
     state = {}
     for name, param in ours.items():
-        pieces = [on_disk[d] for d, _ in _to_disk(name, param)]
+        pieces = [on_disk[d] for d, _ in pieces_of[name]]
         tensor = torch.stack(pieces) if _STACKED_EXPERTS.match(to_disk_name(name)) else pieces[0].reshape(param.shape)
         if dtype is not None and tensor.is_floating_point() and not name.endswith(_FP32_SUFFIXES):
             tensor = tensor.to(dtype)
@@ -167,7 +214,12 @@ def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | No
     state-dict order) plus `model.safetensors.index.json`. Each file is written under a temporary
     name, fsynced and renamed, and files of an older save that the new one does not use are removed
     last; the directory is fsynced before returning, so the files survive a power loss.
+    An expert-parallel model (its experts split over ranks) is saved by `save_expert_shard` on
+    every rank of its expert-parallel group instead.
     """
+    if model.expert_parallel is not None:
+        raise ValueError("save_checkpoint of an expert-parallel model (it holds only its share of the experts): "
+                         "call save_expert_shard on every rank of its expert-parallel group")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {d: t.detach().to("cpu").contiguous() for n, p in model.state_dict().items() for d, t in _to_disk(n, p)}
@@ -198,5 +250,45 @@ def save_checkpoint(model: HybridLM, path: str | Path, max_shard_bytes: int | No
         stale += [path / INDEX_FILE] if (path / INDEX_FILE).exists() else []
     for p in stale:
         p.unlink()
+    _fsync(path, directory=True)
+    return path
+
+
+def save_expert_shard(model: HybridLM, path: str | Path) -> Path:
+    """This rank's part of an expert-parallel model's checkpoint, in the one-rank layout (each
+    expert's tensors under their own global names): file `model-0000{r+1}-of-0000{P}.safetensors`
+    for expert-parallel rank r of P holds rank r's experts, and rank 0's also every other tensor;
+    rank 0 writes config.json and the index (its weight map follows from the config alone). Every
+    rank of the group calls it (each file atomic, the directory fsynced); the directory is
+    complete once all have returned (the caller's barrier), and loads at any expert-parallel size."""
+    ep = model.expert_parallel
+    if ep is None:
+        raise ValueError("save_expert_shard of a model without expert parallelism: use save_checkpoint")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    layout = _expert_layout(model)
+    names = [f"model-{r + 1:05d}-of-{ep.size:05d}.safetensors" for r in range(ep.size)]
+    mine = {d: t.detach().to("cpu").contiguous() for n, pieces in disk_pieces(model, model.state_dict()).items()
+            if n in layout or ep.rank == 0 for d, t in pieces}
+    _atomic_write(path / names[ep.rank], lambda p: save_file(mine, str(p), metadata={"format": "pt"}))
+    if ep.rank == 0:
+        per = model.config.num_experts // ep.size
+        expert = re.compile(r"\.experts\.(\d+)\.w[123]\.weight$")
+        shapes = disk_shapes(model)
+        dtypes = {d: t.dtype for d, t in mine.items()}
+        weight_map, total = {}, 0
+        for d, shape in shapes.items():
+            found = expert.search(d)
+            weight_map[d] = names[int(found.group(1)) // per] if found else names[0]
+            dtype = dtypes.get(d) or next(t.dtype for n, t in mine.items() if expert.search(n))
+            total += torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        hf = model.config.to_hf_dict()
+        hf["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf, indent=2) + "\n"))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _atomic_write(path / INDEX_FILE, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+        for p in path.glob("model*.safetensors"):
+            if p.name not in names:
+                p.unlink()
     _fsync(path, directory=True)
     return path

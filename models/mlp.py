@@ -17,11 +17,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
 from kernels.cpu import ops as cpu_ops
+from models.expert_parallel import ExpertParallel, all_to_all, exchange_counts
 from models.fused import fused_weight, use_fused
 
 
@@ -50,13 +52,18 @@ class Experts(nn.Module):
     Stacked so that all experts run in a few batched matmuls; the checkpoint keeps one tensor per
     expert (`experts.N.w1.weight`), see models/checkpoint.py. `impl` (one of EXPERT_IMPLS, a plain
     attribute that tests and benchmarks may set) picks the path; every path computes the same sum.
+    Under expert parallelism the module holds `num_experts` of the layer's `num_global` experts,
+    global indices `first` .. `first + num_experts - 1` (models/expert_parallel.py).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, impl: str = "auto") -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, impl: str = "auto",
+                 first: int = 0, num_global: int | None = None) -> None:
         super().__init__()
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"impl={impl!r}, expected one of {EXPERT_IMPLS}")
         self.impl = impl
+        self.first = first
+        self.num_global = num_experts if num_global is None else num_global
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -252,6 +259,13 @@ def _grouped_mm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _exchange_ids(ids: torch.Tensor, recv: list[int], send: list[int], ep: ExpertParallel) -> torch.Tensor:
+    """The local expert id of every row, sent along with the rows (integers: no gradient)."""
+    out = ids.new_empty(sum(recv))
+    dist.all_to_all_single(out, ids.contiguous(), recv, send, group=ep.group)
+    return out
+
+
 class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -280,21 +294,54 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`expert_parallel`: the experts are this rank's share of its expert-parallel group's
+    (models/expert_parallel.py); None or size 1 = all of them."""
+
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        ep = expert_parallel if expert_parallel is not None and expert_parallel.active else None
+        self.expert_parallel = ep
+        mine = ep.experts_of(config.num_experts) if ep is not None else range(config.num_experts)
+        self.experts = Experts(len(mine), config.hidden_size, config.moe_intermediate_size, first=mine.start,
+                               num_global=config.num_experts)
         self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
         experts, shared = self.experts, self.shared_experts
+        if self.expert_parallel is not None:
+            return self._forward_parallel(x)
         if (use_fused(x) and shared is not None and experts.impl in ("auto", "dense")
                 and experts.runs_dense(self.gate.top_k) and shared.gate_proj.weight.shape[0] % experts.w1.shape[1] == 0):
             return self._fused_dense(x)
         weights, ids = self.gate(x)
         out = experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer with its experts split over the expert-parallel group (models/expert_parallel.py):
+        the rows sorted by expert as `experts_grouped` sorts them, sent to their experts' ranks, run
+        there (weight 1), sent back, then weighted and summed into their tokens in that order.
+        x: [N, D] (N may be 0: the rank still joins every exchange) -> [N, D]."""
+        ep, experts = self.expert_parallel, self.experts
+        weights, ids = self.gate(x)  # [N, k] each, global expert ids
+        top_k, per = ids.shape[1], experts.w1.shape[0]
+        sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)  # [M]: grouped by rank, since rank = id // per
+        token = order // top_k  # [M]
+        bounds = torch.arange(1, ep.size + 1, device=ids.device) * per
+        ends = torch.searchsorted(sorted_ids, bounds)  # [P] rows up to the end of each rank's experts
+        recv, send = exchange_counts(torch.diff(ends, prepend=ends.new_zeros(1)).to(torch.int64), ep)
+        local = _exchange_ids((sorted_ids % per).to(torch.int64), recv, send, ep)  # [R] this rank's expert per row
+        rows = all_to_all(x[token], recv, send, ep)  # [R, D]
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+        y = experts(rows, ones, local[:, None])  # [R, D]: each row through its one expert
+        back = all_to_all(y, send, recv, ep)  # [M, D], in sorted order
+        scale = weights.reshape(-1)[order, None]  # [M, 1]
+        out = torch.zeros_like(x).index_put_((token,), (back * scale).to(x.dtype), accumulate=True)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

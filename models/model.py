@@ -29,27 +29,28 @@ from kernels.kda.chunk import chunk_kda
 from models.config import ModelConfig
 from models.kda import KDALayer
 from models.mla import MLALayer, causal_attention
+from models.expert_parallel import ExpertParallel
 from models.mlp import Experts, MoE, Router, SwiGLU
 from models.norms import GatedRMSNorm, RMSNorm
 from models.state import KDACheckpoint, SegmentBatch, SequenceState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         self.mixer_type = config.layer_types[index]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = KDALayer(config) if self.mixer_type == "kda" else MLALayer(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (SwiGLU(config.hidden_size, config.intermediate_size)
-                    if config.mlp_layer_types[index] == "dense" else MoE(config))
+                    if config.mlp_layer_types[index] == "dense" else MoE(config, expert_parallel))
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, expert_parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -64,10 +65,14 @@ class StatefulOutput:
 
 
 class HybridLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`expert_parallel`: this rank's share of the routed experts (models/expert_parallel.py);
+    None = every expert here."""
+
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.expert_parallel = expert_parallel if expert_parallel is not None and expert_parallel.active else None
+        self.model = Backbone(config, self.expert_parallel)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
@@ -93,9 +98,11 @@ class HybridLM(nn.Module):
                 module.weight.fill_(1.0)
             if isinstance(module, Router):
                 module.e_score_correction_bias.zero_()
-            if isinstance(module, Experts):
+            if isinstance(module, Experts):  # all of the layer's experts drawn, this rank's kept
+                mine = slice(module.first, module.first + module.w1.shape[0])
                 for weight in (module.w1, module.w2, module.w3):
-                    normal_(weight)
+                    shape = (module.num_global, *weight.shape[1:])
+                    weight.copy_((torch.randn(shape, generator=gen, device=host) * std)[mine])
             if isinstance(module, KDALayer):
                 # A in [1, 16] (log-stored); dt in [1e-3, 1e-1] stored as its inverse softplus.
                 module.A_log.copy_(torch.empty(module.A_log.shape, device=host).uniform_(1, 16, generator=gen).log())
@@ -122,6 +129,20 @@ class HybridLM(nn.Module):
         mix = mixer.kda if layer.mixer_type == "kda" else mixer.mla
         hidden = hidden + mix(index, layer.self_attn, layer.input_layernorm(hidden))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def join_experts(self, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Join the expert exchanges of the MoE layers among `layers` (default all) with zero
+        tokens, in layer order: what a rank without tokens runs while its expert-parallel peers run
+        those layers. Chained (each layer's output feeds the next), so a backward of the result
+        (`.sum().backward()`) joins their backward exchanges in reverse order too. -> [0, D]."""
+        weight = self.model.embed_tokens.weight
+        hidden = torch.zeros(0, self.config.hidden_size, dtype=weight.dtype, device=weight.device,
+                             requires_grad=torch.is_grad_enabled())
+        for index in range(len(self.model.layers)) if layers is None else layers:
+            mlp = self.model.layers[index].mlp
+            if isinstance(mlp, MoE):
+                hidden = hidden + mlp(hidden)
+        return hidden
 
     def _run(self, token_ids: torch.Tensor, batch: SegmentBatch, states: Sequence[SequenceState | None],
              state_positions: Sequence[Sequence[int]]
