@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -103,6 +103,30 @@ def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple
     return torch.optim.AdamW(params, foreach=False, **kwargs), "torch"
 
 
+class Bucket:
+    """Parameters sharded as one flat FP32 vector (model order, padded to a multiple of the
+    group's size) over `group`: this rank owns elements [rank * shard_numel, (rank + 1) * shard_numel)."""
+
+    def __init__(self, chunk: int, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        self.chunk, self.name, self.params, self.group = chunk, name, params, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.numel = sum(p.numel() for p in params)
+        self.shard_numel = math.ceil(self.numel / self.world)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world
+
+
+def _saved_step(states: list[dict], steps: set[int]):
+    """The Adam step counter to install: the saved one (every rank's agrees), in the saved type."""
+    if len(steps) != 1:
+        raise ValueError(f"optimizer states disagree on the step count: {sorted(steps)}")
+    value = next(v["step"] for st in states for v in st["adam"]["state"].values())
+    return value.clone() if torch.is_tensor(value) else value
+
+
 class ShardedHostAdamW:
     """total_steps: the schedule's decay horizon when `config.total_steps` is None (the run's:
     iterations x optimizer steps per iteration); `config.total_steps` wins when both are given.
@@ -114,7 +138,15 @@ class ShardedHostAdamW:
     counts the steps taken (a skipped step takes none) and is saved in `state_dict`."""
 
     def __init__(self, chunk_params: list[list[nn.Parameter]], config: OptimizerConfig,
-                 group: dist.ProcessGroup | None = None, total_steps: int | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, total_steps: int | None = None, *,
+                 expert_params: Sequence[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None,
+                 pieces: dict[int, list[tuple[str, int]]] | None = None) -> None:
+        """expert_params, expert_group: under expert parallelism, the routed experts' parameters
+        and the group that holds the same experts (megatron-core's expert-data-parallel group):
+        each chunk's experts form a bucket of their own, sharded over that group, the rest of the
+        chunk one sharded over `group`. pieces: id(parameter) -> its (key, numel) pieces in flat
+        order (one per expert of a stacked expert tensor, by global index), saved with the state so
+        that a checkpoint loads into another sharding (`load_resharded`)."""
         self.config = config
         self.total_steps = config.total_steps if config.total_steps is not None else total_steps
         """The resolved decay horizon (None: constant schedule without one)."""
@@ -126,12 +158,30 @@ class ShardedHostAdamW:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.chunk_params = chunk_params
-        self.numels = [sum(p.numel() for p in params) for params in chunk_params]
-        self.shard_numels = [math.ceil(n / self.world) for n in self.numels]
+        experts = {id(p) for p in expert_params}
+        self.buckets: list[Bucket] = []
+        """The flat vectors the states are sharded by: per chunk its parameters, or under expert
+        parallelism its other parameters, then its experts (`Bucket.name` "chunk{c}[.experts]")."""
+        for c, params in enumerate(chunk_params):
+            dense = [p for p in params if id(p) not in experts]
+            routed = [p for p in params if id(p) in experts]
+            if expert_group is None or not routed:
+                self.buckets.append(Bucket(c, f"chunk{c}", params, group))
+                continue
+            if dense:
+                self.buckets.append(Bucket(c, f"chunk{c}", dense, group))
+            self.buckets.append(Bucket(c, f"chunk{c}.experts", routed, expert_group))
+        self.chunk_buckets = [[b for b, bucket in enumerate(self.buckets) if bucket.chunk == c]
+                              for c in range(len(chunk_params))]
+        self._pieces = pieces
+        self.numels = [b.numel for b in self.buckets]
+        self.shard_numels = [b.shard_numel for b in self.buckets]
         self.masters: list[nn.Parameter] = []
-        for params, shard in zip(chunk_params, self.shard_numels):
-            flat = self._padded_flat(params, shard * self.world)
-            self.masters.append(nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone().cpu()))
+        """Per bucket: this rank's FP32 master shard."""
+        for bucket in self.buckets:
+            flat = self._padded_flat(bucket.params, bucket.padded_numel)
+            self.masters.append(nn.Parameter(
+                flat[bucket.rank * bucket.shard_numel:(bucket.rank + 1) * bucket.shard_numel].clone().cpu()))
         self.adam, self.backend = make_host_adam(self.masters, config)
         self.store: NvmeStore | None = None
         """Where the states are spilled while `is_spilled` (set by `offload`)."""
@@ -140,7 +190,7 @@ class ShardedHostAdamW:
         self.disk_bytes = 0
         """Bytes of the spill files on disk (0 when resident: restore drops them)."""
         self._layout: list[dict[str, tuple[torch.Size, torch.dtype]]] = []
-        """Per chunk: name -> (shape, dtype) of the spilled states."""
+        """Per bucket: name -> (shape, dtype) of the spilled states."""
 
     @staticmethod
     def _padded_flat(params: list[nn.Parameter], numel: int) -> torch.Tensor:
@@ -148,15 +198,17 @@ class ShardedHostAdamW:
         return torch.cat([flat, flat.new_zeros(numel - flat.numel())])  # [world * shard]
 
     def padded_numel(self, chunk: int) -> int:
-        return self.shard_numels[chunk] * self.world
+        """FP32 elements of chunk `chunk`'s gradient slot: its buckets' padded vectors back to back."""
+        return sum(self.buckets[b].padded_numel for b in self.chunk_buckets[chunk])
 
-    def add_grad(self, chunk: int, summed_grad_shard: torch.Tensor) -> None:
-        """Accumulate this rank's slice of chunk `chunk`'s gradient (already summed over ranks) on the host."""
-        if summed_grad_shard.numel() != self.shard_numels[chunk]:
-            raise ValueError(f"chunk {chunk}: gradient shard has {summed_grad_shard.numel()} elements, expected "
-                             f"{self.shard_numels[chunk]}")
+    def add_grad(self, bucket: int, summed_grad_shard: torch.Tensor) -> None:
+        """Accumulate this rank's slice of bucket `bucket`'s gradient (already summed over its group)
+        on the host (with one bucket per chunk, the bucket is the chunk)."""
+        if summed_grad_shard.numel() != self.shard_numels[bucket]:
+            raise ValueError(f"bucket {bucket}: gradient shard has {summed_grad_shard.numel()} elements, expected "
+                             f"{self.shard_numels[bucket]}")
         shard = summed_grad_shard.detach().float().cpu()
-        master = self.masters[chunk]
+        master = self.masters[bucket]
         master.grad = shard.clone() if master.grad is None else master.grad.add_(shard)
 
     def grad_square_sum(self) -> torch.Tensor:
@@ -195,11 +247,12 @@ class ShardedHostAdamW:
             self.schedule_step += 1
         else:
             self.adam.step()
-        for c, (params, master) in enumerate(zip(self.chunk_params, self.masters)):
-            if self.world > 1:  # gathered on the parameters' device (NCCL cannot gather host tensors)
+        for bucket, master in zip(self.buckets, self.masters):
+            params = bucket.params
+            if bucket.world > 1:  # gathered on the parameters' device (NCCL cannot gather host tensors)
                 mine = master.data.to(params[0].device)
-                pieces = [torch.empty_like(mine) for _ in range(self.world)]
-                dist.all_gather(pieces, mine, group=self.group)
+                pieces = [torch.empty_like(mine) for _ in range(bucket.world)]
+                dist.all_gather(pieces, mine, group=bucket.group)
                 flat = torch.cat(pieces)
             else:
                 flat = master.data
@@ -252,8 +305,8 @@ class ShardedHostAdamW:
     def is_spilled(self) -> bool:
         return self.store is not None
 
-    def group_name(self, chunk: int) -> str:
-        return f"train_states.rank{self.rank}.chunk{chunk}"
+    def group_name(self, bucket: int) -> str:
+        return f"train_states.rank{self.rank}.{self.buckets[bucket].name}"
 
     def _chunk_states(self, chunk: int) -> dict[str, torch.Tensor]:
         """Chunk `chunk`'s host state tensors by name: the master shard and every non-scalar Adam
@@ -355,14 +408,79 @@ class ShardedHostAdamW:
 
     def state_dict(self) -> dict:
         self._require_resident("state_dict")
-        return {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
-                "rank": self.rank, "world": self.world, "schedule_step": self.schedule_step}
+        state = {"adam": self.adam.state_dict(), "masters": [m.detach().clone() for m in self.masters],
+                 "rank": self.rank, "world": self.world, "schedule_step": self.schedule_step}
+        if self._pieces is not None:  # what each element of the flat vectors is: loadable into any sharding
+            state["layout"] = [{"rank": b.rank, "world": b.world, "shard": b.shard_numel,
+                                "pieces": [piece for p in b.params for piece in self._pieces[id(p)]]}
+                               for b in self.buckets]
+        return state
+
+    def same_layout(self, state: dict) -> bool:
+        """Whether `state` (a `state_dict`) was written by a rank sharded as this one is."""
+        return ((state["rank"], state["world"]) == (self.rank, self.world) and len(state["masters"]) == len(self.masters)
+                and all(m.shape == s.shape for m, s in zip(self.masters, state["masters"]))
+                and ("layout" not in state or self._pieces is None or [b["pieces"] for b in state["layout"]] ==
+                     [[piece for p in b.params for piece in self._pieces[id(p)]] for b in self.buckets]))
+
+    @torch.no_grad()
+    def load_resharded(self, states: list[dict]) -> None:
+        """Load the `state_dict`s of every rank of a run sharded otherwise (another expert-parallel
+        size): each element is found by its piece key in the saved layouts, so masters and moments
+        are the saved ones exactly, whatever the sharding. Needs `pieces` here and a layout in every
+        state (ValueError naming what is missing)."""
+        if self._pieces is None or any("layout" not in st for st in states):
+            raise ValueError("optimizer states without a piece layout cannot be loaded into another sharding")
+        wanted = {key: numel for b in self.buckets for p in b.params for key, numel in self._pieces[id(p)]}
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        seen: dict[str, int] = {}
+        kinds = ("master", "exp_avg", "exp_avg_sq")
+        for st in states:
+            adam_state = st["adam"]["state"]
+            for b, meta in enumerate(st["layout"]):
+                vectors = {"master": st["masters"][b], **{k: v for k, v in adam_state.get(b, {}).items() if k in kinds}}
+                lo, hi = meta["rank"] * meta["shard"], (meta["rank"] + 1) * meta["shard"]
+                offset = 0
+                for key, numel in meta["pieces"]:
+                    start, end = max(offset, lo), min(offset + numel, hi)
+                    if key in wanted and start < end:
+                        slots = full.setdefault(key, {})
+                        for kind, vec in vectors.items():
+                            slots.setdefault(kind, torch.zeros(numel))[start - offset:end - offset] = vec[start - lo:end - lo]
+                        seen[key] = seen.get(key, 0) + end - start
+                    offset += numel
+        short = [key for key, numel in wanted.items() if seen.get(key, 0) != numel]
+        if short:
+            raise ValueError(f"optimizer states of {len(states)} ranks do not cover {len(short)} pieces of this "
+                             f"rank's parameters, e.g. {short[:3]}")
+        self.discard_spill()
+        steps = {int(v["step"]) for st in states for v in st["adam"]["state"].values()}
+        new_state = {}
+        for b, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
+            lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
+
+            def mine(kind: str) -> torch.Tensor:
+                flat = torch.cat([full[key][kind] for p in bucket.params for key, _ in self._pieces[id(p)]])
+                return torch.cat([flat, flat.new_zeros(bucket.padded_numel - flat.numel())])[lo:hi].clone()
+
+            master.copy_(mine("master"))
+            if steps:
+                new_state[b] = {"step": _saved_step(states, steps), "exp_avg": mine("exp_avg"),
+                                "exp_avg_sq": mine("exp_avg_sq")}
+        group = {**states[0]["adam"]["param_groups"][0], "params": list(range(len(self.masters)))}
+        self.adam.load_state_dict({"state": new_state, "param_groups": [group]})
+        self.schedule_step = int(states[0].get("schedule_step", max(steps, default=0)))
+        if self.backend == "deepspeed":
+            self._replay_deepspeed_steps()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if (state["rank"], state["world"]) != (self.rank, self.world):
             raise ValueError(f"optimizer shard of rank {state['rank']}/{state['world']} loaded into rank "
                              f"{self.rank}/{self.world}")
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(f"optimizer shard of {len(state['masters'])} buckets loaded into {len(self.masters)} "
+                             f"(another expert-parallel size: load_resharded)")
         self.discard_spill()  # every state is overwritten below
         for master, saved in zip(self.masters, state["masters"]):
             if master.shape != saved.shape:

@@ -41,6 +41,7 @@ from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint
+from models.mlp import Experts
 from models.model import HybridLM
 from models.precision import dtype_name
 from trainer.activation_meter import SavedTensorMeter
@@ -116,6 +117,20 @@ def _accumulate_main_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
+def expert_parameters(model: HybridLM) -> dict[int, tuple[torch.nn.Parameter, int]]:
+    """id -> (parameter, first global expert) of every stacked routed-expert tensor of `model`."""
+    return {id(p): (p, module.first) for module in model.modules() if isinstance(module, Experts)
+            for p in (module.w1, module.w2, module.w3)}
+
+
+def _pieces(name: str, param: torch.Tensor, first: int | None) -> list[tuple[str, int]]:
+    """A parameter's (key, numel) pieces in flat order: one per expert of a stacked expert tensor
+    (keyed by its global index, so any expert-parallel size finds it), else the parameter itself."""
+    if first is None:
+        return [(name, param.numel())]
+    return [(f"{name}.{first + e}", param[0].numel()) for e in range(param.shape[0])]
+
+
 class Trainer:
     """Host states (FP32 master shards + AdamW moments) can be spilled to NVMe between iterations:
     `offload_states(store)` writes them and frees their host memory, `restore_states()` reads them
@@ -125,16 +140,26 @@ class Trainer:
     (synced after each step; released on offload, leased again before restore)."""
 
     def __init__(self, model: HybridLM, config: TrainerConfig, group: dist.ProcessGroup | None = None,
-                 ledger: HostLedger | None = None, total_steps: int | None = None) -> None:
+                 ledger: HostLedger | None = None, total_steps: int | None = None,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         """total_steps: the lr schedule's decay horizon in optimizer steps when
-        `config.optimizer.total_steps` is None (the RL run's: iterations x steps per iteration)."""
+        `config.optimizer.total_steps` is None (the RL run's: iterations x steps per iteration).
+        expert_group: for a model whose experts are split over ranks (`model.expert_parallel`), the
+        ranks holding the same experts (megatron-core's expert-data-parallel group): the experts'
+        gradients are reduced and their states sharded over it, the rest over `group`."""
         self.model, self.config, self.group, self.ledger = model, config, group, ledger
+        self.expert_parallel = model.expert_parallel
+        if self.expert_parallel is not None and dist.is_initialized() and expert_group is None:
+            raise ValueError("Trainer of an expert-parallel model needs expert_group (the ranks that hold the same "
+                             "experts: megatron-core's expert-data-parallel group)")
         self._leased_bytes = 0
         odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype not in (torch.float32, torch.bfloat16)})
         if odd:
             raise ValueError(f"Trainer: parameters of dtype {odd}; expected float32 or bfloat16 (models/precision.py)")
         self.chunked = ChunkedModel(model, config.num_chunks, config.chunk_split)
-        self.chunk_params = [[p for _, p in self.chunked.chunk_parameters(c)] for c in range(config.num_chunks)]
+        named = [self.chunked.chunk_parameters(c) for c in range(config.num_chunks)]
+        self.chunk_params = [[p for _, p in chunk] for chunk in named]
+        experts = expert_parameters(model)
         for params in self.chunk_params:
             for p in params:
                 if p.dtype != torch.float32 and not getattr(p, "_main_grad_hooked", False):
@@ -142,7 +167,11 @@ class Trainer:
                     # FP32 slot view and dropped at once, so .grad never holds the real gradient.
                     p.register_post_accumulate_grad_hook(_accumulate_main_grad)
                     p._main_grad_hooked = True  # one hook per parameter, however many trainers see it
-        self.optimizer = ShardedHostAdamW(self.chunk_params, config.optimizer, group, total_steps=total_steps)
+        self.optimizer = ShardedHostAdamW(
+            self.chunk_params, config.optimizer, group, total_steps=total_steps,
+            expert_params=[p for p, _ in experts.values()] if self.expert_parallel is not None else (),
+            expert_group=expert_group if self.expert_parallel is not None else None,
+            pieces={id(p): _pieces(name, p, experts.get(id(p), (p, None))[1]) for chunk in named for name, p in chunk})
         device = next(model.parameters()).device
         slot_numel = max(self.optimizer.padded_numel(c) for c in range(config.num_chunks))
         self.arena = GradArena(slot_numel, config.num_grad_slots, device)
@@ -265,33 +294,38 @@ class Trainer:
         parameter's `.grad` is the view (autograd accumulates into it in place); a bf16 parameter's
         `main_grad` is (its hook adds each backward's bf16 `.grad` into it, then drops the `.grad`)."""
         buffer = self.arena.acquire(chunk)  # [slot_numel] zeroed, float32
-        views, offset = [], 0
-        for p in self.chunk_params[chunk]:
-            view = buffer[offset:offset + p.numel()].view(p.shape)  # [*p.shape] float32
-            if p.dtype == torch.float32:
-                p.grad = view
-            else:
-                p.main_grad = view
-            views.append(view)
-            offset += p.numel()
+        views, start = [], 0
+        for b in self.optimizer.chunk_buckets[chunk]:  # each bucket's parameters, then its padding
+            bucket, offset = self.optimizer.buckets[b], start
+            for p in bucket.params:
+                view = buffer[offset:offset + p.numel()].view(p.shape)  # [*p.shape] float32
+                if p.dtype == torch.float32:
+                    p.grad = view
+                else:
+                    p.main_grad = view
+                views.append((p, view))
+                offset += p.numel()
+            start += bucket.padded_numel
         self._bound[chunk] = (buffer, views)
 
     def _reduce_and_release(self, chunk: int) -> None:
         buffer, views = self._bound.pop(chunk)
-        params = self.chunk_params[chunk]
         if any((p.grad is not v) if p.dtype == torch.float32 else (p.grad is not None or p.main_grad is not v)
-               for p, v in zip(params, views)):
+               for p, v in views):
             raise RuntimeError(f"chunk {chunk}: autograd replaced a .grad instead of accumulating into the arena")
-        flat = buffer[:self.optimizer.padded_numel(chunk)]  # parameters, then zero padding
-        shard = self.optimizer.shard_numels[chunk]
-        if self.optimizer.world > 1:  # ZeRO-2: each rank receives only its slice of the summed gradient
-            mine = flat.new_empty(shard)
-            dist.reduce_scatter_single(mine, flat, group=self.group)
-        else:
-            mine = flat
-        self.optimizer.add_grad(chunk, mine)
+        start = 0
+        for b in self.optimizer.chunk_buckets[chunk]:
+            bucket = self.optimizer.buckets[b]
+            flat = buffer[start:start + bucket.padded_numel]  # parameters, then zero padding
+            start += bucket.padded_numel
+            if bucket.world > 1:  # ZeRO-2: each rank receives only its slice of the summed gradient
+                mine = flat.new_empty(bucket.shard_numel)
+                dist.reduce_scatter_single(mine, flat, group=bucket.group)
+            else:
+                mine = flat
+            self.optimizer.add_grad(b, mine)
         self.num_grad_reductions += 1
-        for p in params:
+        for p, _ in views:
             p.grad = None
             if p.dtype != torch.float32:
                 p.main_grad = None
