@@ -96,7 +96,7 @@ def experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1:
     dense.scatter_(1, ids, weights)  # [N, E] routing weights
     h = (F.silu(gate) * up).view(num_tokens, num_experts, inter) * dense[:, :, None].to(x.dtype)
     down = w2.permute(1, 0, 2).reshape(w2.shape[1], -1)  # [D, E*I]
-    return F.linear(h.reshape(num_tokens, -1), down)  # [N, D]
+    return F.linear(h.reshape(num_tokens, num_experts * inter), down)  # [N, D]
 
 
 def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -59,7 +59,7 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
     if cfg.experiment.num_threads is not None:
         torch.set_num_threads(cfg.experiment.num_threads)
     # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
-    ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s)
+    ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s, cfg.parallel.expert)
     try:
         return _run(cfg, ranks)
     except Exception as err:

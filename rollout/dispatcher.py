@@ -241,7 +241,9 @@ class Dispatcher:
                         on_step()
                 elif background is not None:  # nothing to run: the engine waits on the tools
                     t0 = time.perf_counter()
-                    background.wait(0.5)
+                    # under expert parallelism the peers' steps need this rank's exchanges meanwhile
+                    if not self.engine.idle_step(unfinished=True):
+                        background.wait(0.5 if self.engine.expert_parallel is None else 0.01)
                     self.wait_seconds += time.perf_counter() - t0
                 if background is not None:
                     self._queue_next(background.collect())

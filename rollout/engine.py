@@ -244,6 +244,10 @@ class Engine:
             raise RuntimeError("engine is asleep: call wake() before step()")
         scheduled = self._schedule()
         finished: list[RequestOutput] = []
+        if self.expert_parallel is not None:  # the group agrees on who runs this step (lock-step)
+            busy, _ = self.expert_parallel.round(bool(scheduled.seqs), self.has_unfinished)
+            if busy and not scheduled.seqs:
+                self._join_peers()
         if scheduled.seqs:
             plan = self._prepare(scheduled)
             logits, settings = self._run(scheduled, plan)
@@ -256,6 +260,44 @@ class Engine:
         for out in finished:
             del self.requests[out.request_id]
         return finished
+
+    # ---- expert parallelism: every rank of the group runs every step's MoE exchanges ---------------
+    @property
+    def expert_parallel(self):
+        """The model's expert-parallel group (models/expert_parallel.py), None when it holds every
+        expert. Then each rank decodes its own sequences (data-parallel attention), and every step
+        is a step of the whole group: `step` agrees with the peers (`ExpertParallel.round`) and a
+        rank without work joins their exchanges with no tokens; `idle_step` is that for a rank
+        waiting on something else (tool calls); `drain` ends a rank's generation once all are done."""
+        return self.model.expert_parallel
+
+    @torch.inference_mode()
+    def _join_peers(self) -> None:
+        self.model.join_experts()
+
+    def idle_step(self, unfinished: bool = True) -> bool:
+        """A step without sequences of its own (a rank waiting on tool calls, `unfinished`): joins
+        the peers' step when one runs. Returns whether one did (False at once without expert parallelism)."""
+        if self.expert_parallel is None:
+            return False
+        busy, _ = self.expert_parallel.round(False, unfinished)
+        if busy:
+            self._join_peers()
+        return busy
+
+    def drain(self) -> int:
+        """This rank's generation is over: join the peers' steps until none has work left (once per
+        generation, on every rank of the group; no-op without expert parallelism). Returns the steps joined."""
+        joined = 0
+        if self.expert_parallel is None:
+            return joined
+        while True:
+            busy, unfinished = self.expert_parallel.round(False, False)
+            if busy:
+                self._join_peers()
+                joined += 1
+            if not unfinished:
+                return joined
 
     def _schedule(self) -> ScheduledStep:
         """Pick the step's sequences and chunks; the cache runs the copies they wait on."""
@@ -376,6 +418,7 @@ class Engine:
                 for out in self.step():
                     outputs[out.request_id] = out
                     bar.advance(task)
+        self.drain()  # expert parallelism: the peers' generation may still run
         return [outputs[i] for i in ids]
 
     # ---- memory and weights ----------------------------------------------------------------------------

@@ -173,6 +173,10 @@ class ChunkedModel:
         """Per-token log p(targets | prefix) [N] float32 through the same chunk path as training
         (old-policy and reference logprobs). Unfused (models/fused.py): the same ops as the
         reference streamed through the gradient slots, which may build no weight copy."""
+        if not len(seq_lens):  # an expert-parallel rank without rows still joins the exchanges
+            if self.model.expert_parallel is not None:
+                self.model.join_experts()
+            return torch.zeros(0, dtype=torch.float32, device=token_ids.device)
         with unfused():
             return self._forward_logprobs(token_ids, seq_lens, targets, logprob_chunk_len)
 
@@ -209,8 +213,16 @@ class ChunkedModel:
         step whatever the number of micro-batches (so one gradient reduction), at the price of every
         micro-batch's chunk inputs held between the forward and the backward. `on_chunk_start(c)`
         runs before chunk c's first backward. With no batch (a data-parallel rank without work) the
-        callbacks still run, on zero gradients. Returns each batch's (loss, logprobs), detached."""
+        callbacks still run, on zero gradients. Under expert parallelism every rank of the group runs
+        as many micro-batches as the one with most (one all-reduce): the missing ones join the MoE
+        layers' exchanges with zero tokens (`HybridLM.join_experts`), forward and backward, in the
+        order a real one would. Returns each batch's (loss, logprobs), detached."""
+        ep = self.model.expert_parallel
+        idle = ep.max_count(len(batches)) - len(batches) if ep is not None else 0
         staged = [self._staged_forward(b) for b in batches]
+        for _ in range(idle):  # an expert-parallel peer runs more micro-batches: join their exchanges
+            with torch.no_grad():
+                self.model.join_experts([i for spec in self.specs[:-1] for i in spec.layers])
         grads_out: list[torch.Tensor | None] = [None] * len(batches)
         results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
         for c in reversed(range(len(self.specs))):
@@ -230,6 +242,9 @@ class ChunkedModel:
                     out.backward(grads_out[m])
                 grads_out[m] = x.grad if c > 0 else None
                 inputs[c] = None  # this chunk's input is no longer needed
+            for _ in range(idle):  # the chunk's recompute and backward exchanges, with zero tokens
+                with torch.enable_grad():
+                    self.model.join_experts(self.specs[c].layers).sum().backward()
             if on_chunk_done is not None:
                 on_chunk_done(c)
         return results

@@ -121,8 +121,8 @@ class StreamedReference:
         self.slot_capacity = arena.slot_bytes  # bytes per slot
         self.specs = chunk_specs(model, num_chunks, split)
 
-        with torch.device("meta"):
-            self.module = HybridLM(model.config).eval()
+        with torch.device("meta"):  # this rank's share of the experts, as `model` holds (expert parallelism)
+            self.module = HybridLM(model.config, model.expert_parallel).eval()
         for name, buf in model.named_buffers():  # small, resident (see the module docstring)
             owner, leaf = self._owner(name)
             owner._buffers[leaf] = buf.detach().to(self.device, copy=True)
@@ -216,6 +216,11 @@ class StreamedReference:
         if self.host is None:
             raise RuntimeError("streamed reference: used after close()")
         self.stats = StreamStats()
+        idle = not len(seq_lens)  # an expert-parallel rank without rows still joins every exchange
+        if idle and self.module.expert_parallel is None:
+            return torch.zeros(0, dtype=torch.float32, device=token_ids.device)
+        if idle:
+            hidden = torch.zeros(0, dtype=torch.float32, device=token_ids.device)
         mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
         num_slots = self.arena.num_slots
         with self.arena.lend(LEDGER_CONSUMER) as raw, unfused():
@@ -224,7 +229,7 @@ class StreamedReference:
             loader = _StreamLoader(self, slots) if self.device.type == "cuda" else _ThreadLoader(self, slots)
             pending: dict[int, object] = {}
             try:
-                hidden = token_ids
+                hidden = hidden if idle else token_ids
                 for c, spec in enumerate(self.specs):
                     slot = c % num_slots
                     before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -245,11 +250,13 @@ class StreamedReference:
                     self.stats.chunks_loaded += 1
                     self.stats.bytes_loaded += self.host[c].numel()
                     # The ops of ChunkedModel.forward_logprobs, chunk by chunk.
-                    if spec.has_embedding:
+                    if idle:  # no rows here: the chunk's expert exchanges with zero tokens
+                        self.module.join_experts(spec.layers)
+                    elif spec.has_embedding:
                         hidden = self.module.model.embed_tokens(token_ids)  # [N, D]
-                    for index in spec.layers:
+                    for index in [] if idle else spec.layers:
                         hidden = self.module.run_layer(index, hidden, mixer)
-                    if spec.has_head:
+                    if spec.has_head and not idle:
                         hidden = self.module.packed_logprobs(self.module.model.norm(hidden), targets,
                                                              logprob_chunk_len)
                     self.stats.derived_weight_bytes = max(self.stats.derived_weight_bytes, self._drop_derived())

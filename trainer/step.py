@@ -40,7 +40,7 @@ from memory.grad_arena import GradArena
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights as load_weights_into
-from models.checkpoint import save_checkpoint
+from models.checkpoint import save_checkpoint, save_expert_shard
 from models.mlp import Experts
 from models.model import HybridLM
 from models.precision import dtype_name
@@ -149,6 +149,7 @@ class Trainer:
         gradients are reduced and their states sharded over it, the rest over `group`."""
         self.model, self.config, self.group, self.ledger = model, config, group, ledger
         self.expert_parallel = model.expert_parallel
+        self.expert_group = expert_group
         if self.expert_parallel is not None and dist.is_initialized() and expert_group is None:
             raise ValueError("Trainer of an expert-parallel model needs expert_group (the ranks that hold the same "
                              "experts: megatron-core's expert-data-parallel group)")
@@ -220,10 +221,22 @@ class Trainer:
         """A context: its optimizer steps run at `lr` (None: unchanged) outside the lr schedule."""
         return self.optimizer.unscheduled(lr)
 
-    def forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor) -> torch.Tensor:
+    def forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
+                         micro_batch_tokens: int | None = None) -> torch.Tensor:
         """Per-token log p(targets | prefix) [N] float32 through the training chunk path, no graph
-        (old-policy logprobs; trainer/chunks.py `forward_logprobs`)."""
-        return self.chunked.forward_logprobs(token_ids, seq_lens, targets)
+        (old-policy logprobs; trainer/chunks.py `forward_logprobs`), `micro_batch_tokens` at a time
+        (`micro_batches`; None = one pass). Under expert parallelism every rank of the group runs
+        as many passes as the one with most (the missing ones join the exchanges with no rows)."""
+        offsets = [0]
+        for n in seq_lens:
+            offsets.append(offsets[-1] + n)
+        plan = micro_batches(seq_lens, micro_batch_tokens) if len(seq_lens) else []
+        parts = [self.chunked.forward_logprobs(token_ids[offsets[s[0]]:offsets[s[-1] + 1]], [seq_lens[i] for i in s],
+                                               targets[offsets[s[0]]:offsets[s[-1] + 1]]) for s in plan]
+        ep = self.expert_parallel
+        for _ in range(ep.max_count(len(plan)) - len(plan) if ep is not None else 0):
+            self.chunked.forward_logprobs(token_ids[:0], [], targets[:0])
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=token_ids.device)
 
     @property
     def spillable_bytes(self) -> int:
@@ -472,8 +485,7 @@ class Trainer:
         self.check_weights_finite(f"refusing to save a checkpoint to {path}")
         path.mkdir(parents=True, exist_ok=True)
         rank, world = self.optimizer.rank, self.optimizer.world
-        if rank == 0:
-            save_checkpoint(self.model, path)
+        self._save_weights(path)
         tmp = path / f"optimizer-rank{rank}.pt.tmp"
         transient = self.optimizer.spilled_bytes if self.ledger is not None else 0
         if transient:
@@ -487,14 +499,34 @@ class Trainer:
         os.replace(tmp, path / f"optimizer-rank{rank}.pt")
         if rank == 0:
             meta = {"step": self.step_count, "world_size": world, "num_chunks": self.config.num_chunks,
-                    "chunk_split": self.config.chunk_split, "dtype": dtype_name(self.dtype)}
+                    "chunk_split": self.config.chunk_split, "dtype": dtype_name(self.dtype),
+                    "expert_parallel": self.expert_parallel.size if self.expert_parallel is not None else 1}
             (path / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
         if world > 1:
             dist.barrier(group=self.group)
         return path
 
+    def _save_weights(self, path: Path) -> None:
+        """The weights as an HF checkpoint directory: by rank 0 alone, or under expert parallelism by
+        the first rank of each expert-data-parallel group, each its experts (and rank 0 the rest)."""
+        if self.expert_parallel is None:
+            if self.optimizer.rank == 0:
+                save_checkpoint(self.model, path)
+        elif self.expert_group is None or dist.get_rank(self.expert_group) == 0:
+            save_expert_shard(self.model, path)
+
+    def save_weights(self, path: str | Path) -> Path:
+        """The weights alone (an HF checkpoint directory, complete on every rank on return)."""
+        path = Path(path)
+        self._save_weights(path)
+        if self.optimizer.world > 1:
+            dist.barrier(group=self.group)
+        return path
+
     def load(self, path: str | Path) -> None:
-        """Restore weights, this rank's optimizer shard and the step counter written by `save`."""
+        """Restore weights, this rank's optimizer shard and the step counter written by `save`. A
+        checkpoint of another expert-parallel size (same world) loads too: the weights by expert
+        name, the optimizer states resharded from every rank's file (`load_resharded`)."""
         path = Path(path)
         meta = json.loads((path / "trainer.json").read_text())
         saved = meta.get("dtype", "fp32")  # checkpoints from before the dtype knob are fp32
@@ -512,6 +544,10 @@ class Trainer:
         load_weights_into(self.model, path, assign=False)  # keep the Parameter objects the optimizer holds
         # host states: saved from the host, loaded onto it whatever device the model is on
         shard = torch.load(path / f"optimizer-rank{self.optimizer.rank}.pt", map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(shard)
+        if self.optimizer.same_layout(shard):
+            self.optimizer.load_state_dict(shard)
+        else:  # another expert-parallel size: every rank's shard holds some of this rank's elements
+            self.optimizer.load_resharded([torch.load(path / f"optimizer-rank{r}.pt", map_location="cpu",
+                                                      weights_only=True, mmap=True) for r in range(meta["world_size"])])
         self.step_count = meta["step"]
         self._sync_ledger()

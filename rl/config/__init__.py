@@ -235,6 +235,21 @@ class ExperimentConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the run's ranks split the model (rl/run/ranks.py; groups from megatron-core's parallel_state)."""
+
+    expert: int = 1
+    """Expert parallelism: the routed experts of every MoE layer are split over groups of this many
+    ranks (each holds num_experts / expert of them, in the trainer and the engine alike; tokens
+    reach their experts by all-to-all); everything else stays whole on every rank. 1 = every rank
+    holds every expert. Must divide the number of ranks and the model's expert count."""
+
+    def __post_init__(self) -> None:
+        if self.expert < 1:
+            raise ValueError(f"parallel.expert={self.expert}, expected >= 1 (1 = no expert parallelism)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
@@ -245,6 +260,8 @@ class RunConfig:
     """The rollout engine of each rank (its requests are seeded by the run's `seed`: rl/run/build.py)."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Expert parallelism (`parallel.expert`); data parallelism over the rest of the ranks."""
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -292,6 +309,13 @@ class RunConfig:
                              f"optimizer steps (experiment.iterations={self.experiment.iterations} x algo.ppo_epochs="
                              f"{self.algo.ppo_epochs} x algo.mini_batches={self.algo.mini_batches}); expected at most "
                              f"{self.optimizer_steps}, or a trainer.optimizer.total_steps that holds the warm-up")
+        if self.parallel.expert > 1:
+            if self.model.num_experts % self.parallel.expert:
+                raise ValueError(f"parallel.expert={self.parallel.expert} does not divide the model's "
+                                 f"num_experts={self.model.num_experts}; expected a divisor of it")
+            if self.engine.kv_budget is not None:
+                raise ValueError(f"parallel.expert={self.parallel.expert} with a KV budget (kv_budget=...): its key "
+                                 f"predictor runs the model outside the engine's lock-step; expected kv_budget=null")
         if self.task.name == "scored" and self.data.enabled and self.data.label_key is None:
             raise ValueError("task.name=scored hands each row's label to compute_score as ground_truth, but "
                              "data.label_key=null; name the column of your labels")

@@ -26,6 +26,9 @@ def check_optional_groups(overrides: list[str] | tuple[str, ...]) -> None:
 def check_world(cfg, world: int) -> None:
     """The rules that depend on the number of data-parallel ranks (`world`: WORLD_SIZE at
     composition, the run's ranks when its parts are built)."""
+    if world % cfg.parallel.expert:
+        raise ValueError(f"parallel.expert={cfg.parallel.expert} does not divide the {world} rank(s) of the run; "
+                         f"expected a divisor of the world size (torchrun --nproc_per_node x nodes)")
     if world > 1 and cfg.algo.mini_batches > 1:
         raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} with {world} ranks: each mini-batch is "
                          f"normalised by its own counts, which needs one rank for now; expected algo.mini_batches=1 "

@@ -346,6 +346,7 @@ class RolloutDriver:
 
         dispatcher.run(should_stop=should_stop, background=EnvBackground(self) if self.runner is not None else None,
                        on_step=show_progress if progress is not None else None)
+        self.engine.drain()  # expert parallelism: join the peers' steps until every rank's rollout is done
         self._stop_unfinished(dispatcher, stats)
         if dispatcher.auto is not None:
             self.auto_limit = dispatcher.auto.limit

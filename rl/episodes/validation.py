@@ -312,6 +312,7 @@ def evaluate(engine: Engine, tokenizer, task_name: str, task_params: dict, confi
                 for sub in episodes.request(samples):
                     dispatcher.add(sub)
         dispatcher.run(background=_Calls(episodes) if runner is not None else None)
+        engine.drain()  # expert parallelism: join the peers' steps until every rank's evaluation is done
     finally:
         for request_id in [r for r in engine.requests if r not in before]:  # an error left requests: abort
             engine.abort(request_id)

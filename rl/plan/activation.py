@@ -33,7 +33,9 @@ weight view, the offsets), so the plan is the form that runs, not the padded one
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from unittest import mock
@@ -45,7 +47,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import models.mlp
 from models.config import ModelConfig
-from models.model import HybridLM
+from models.model import HybridLM, PackedMixer
+from models.state import SegmentBatch
 from models.precision import cast_parameters
 from trainer.activation_meter import SavedTensorMeter
 from trainer.chunks import ChunkedModel
@@ -108,6 +111,8 @@ class _IndexShadow(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.values = WeakTensorKeyDictionary()  # meta tensor -> its real CPU twin
+        self.num_ops = 0
+        """Aten ops dispatched so far (the probe's work, for comparing its methods)."""
 
     def _value(self, x: torch.Tensor) -> torch.Tensor | None:
         if x.device.type != "meta":
@@ -117,6 +122,7 @@ class _IndexShadow(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         aten = torch.ops.aten
+        self.num_ops += 1
         if func is aten._local_scalar_dense.default:  # .item(), int(), .tolist() element
             value = self._value(args[0])
             if value is None:
@@ -175,51 +181,110 @@ class _IndexShadow(TorchDispatchMode):
                 self.values.pop(x, None)
 
 
+METHODS = ("compose", "full")
+"""How the probe meters a step: "full" runs `ChunkedModel.forward_backward` for every distinct
+micro-batch (every layer's graph-free forward, recompute and backward: the reference), "compose"
+meters one forward of each distinct layer kind and composes the chunks from them (`_composed_peaks`,
+equal to "full" to the byte: tests/rl/test_plan_speed.py)."""
+
+
+@dataclass(frozen=True)
+class ActivationProbe:
+    """What the probe measured, and what it cost."""
+
+    chunk_peaks: list[int]
+    """Per VPP chunk, its saved-tensor peak (max over the micro-batches)."""
+    layer_runs: int
+    """Decoder-layer forwards the probe ran on the meta device (with or without a graph)."""
+    num_ops: int
+    """Aten ops dispatched on the meta device."""
+    method: str
+
+
 def activation_peak_bytes(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
                           dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
-                          grouped_mm: bool = False, split: str = "layers") -> int:
+                          grouped_mm: bool = False, split: str = "layers", method: str = "compose") -> int:
     """The saved-tensor peak (`SavedTensorMeter`) of one training step over `micro_batches` (each a
     list of sequence lengths, run one after the other as the trainer does), for a model of
     `model_config` with parameters in `dtype` (models/precision.py's rule: a few stay FP32), split
     into `num_chunks` VPP chunks by `split` (trainer/chunks.py). Runs on the meta device: allocates
     nothing of the model's size."""
     return max(chunk_activation_peaks(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len, grouped_mm,
-                                      split))
+                                      split, method))
 
 
 def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
                            dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
-                           grouped_mm: bool = False, split: str = "layers") -> list[int]:
+                           grouped_mm: bool = False, split: str = "layers", method: str = "compose") -> list[int]:
     """Per VPP chunk, the saved-tensor peak while it is recomputed and backpropagated (max over the
     micro-batches); the step's peak is their max (nothing is saved in the no-grad forward before).
-    grouped_mm: the planned device runs routed experts through torch._grouped_mm (module docstring)."""
+    grouped_mm: the planned device runs routed experts through torch._grouped_mm (module docstring).
+    method: one of METHODS (the same figure; "compose" is the fast one)."""
+    return probe_activations(model_config, micro_batches, num_chunks, dtype, logprob_chunk_len, grouped_mm, split,
+                             method).chunk_peaks
+
+
+def probe_activations(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
+                      dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
+                      grouped_mm: bool = False, split: str = "layers", method: str = "compose") -> ActivationProbe:
+    """`chunk_activation_peaks` with the probe's cost: how many layer forwards and aten ops it ran."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}, expected one of {METHODS}")
+    with torch.device("meta"):
+        model = HybridLM(model_config)
+    cast_parameters(model, dtype)
+    chunked = ChunkedModel(model, num_chunks, split)
+    shadow, layer_runs = _IndexShadow(), [0]
+
+    def count(module, args) -> None:
+        layer_runs[0] += 1
+
+    hooks = [layer.mlp.register_forward_pre_hook(count) for layer in model.model.layers]  # one mlp call per layer run
+    batches = list(dict.fromkeys(tuple(lens) for lens in micro_batches))  # the mixer follows the lengths, in order
+    try:
+        with _meta_probe(shadow, grouped_mm):
+            if method == "full":
+                peaks = _full_peaks(chunked, batches, logprob_chunk_len)
+            else:
+                peaks = _composed_peaks(chunked, batches, logprob_chunk_len)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ActivationProbe(peaks, layer_runs[0], shadow.num_ops, method)
+
+
+@contextmanager
+def _meta_probe(shadow: _IndexShadow, grouped_mm: bool) -> Iterator[None]:
+    """Meta execution with index values (`_IndexShadow`) and the MoE form of the planned device."""
 
     def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         align = 16 // x.element_size()  # grouped_mm_usable's stride rule (dims of 16-byte multiples)
         return grouped_mm and x.dtype == w.dtype and not (w.shape[1] % align or w.shape[2] % align)
 
-    with torch.device("meta"):
-        model = HybridLM(model_config)
-    cast_parameters(model, dtype)
-    chunked = ChunkedModel(model, num_chunks, split)
-    meter, shadow = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()]), _IndexShadow()
-    peaks = [0] * num_chunks
+    with (_FromData(shadow), shadow, warnings.catch_warnings(),
+          mock.patch.object(models.mlp, "grouped_mm_usable", usable),
+          mock.patch.object(torch, "_grouped_mm", _grouped_mm_on_meta, create=True)):
+        warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
+        yield
+
+
+def _meter(model: HybridLM) -> SavedTensorMeter:
+    return SavedTensorMeter(exclude=[*model.parameters(), *model.buffers()])
+
+
+def _full_peaks(chunked: ChunkedModel, batches: list[tuple[int, ...]], logprob_chunk_len: int) -> list[int]:
+    """The reference: the trainer's `forward_backward` of each micro-batch under one meter."""
+    model = chunked.model
+    meter = _meter(model)
+    peaks = [0] * len(chunked.specs)
 
     def chunk_done(chunk: int) -> None:
         peaks[chunk] = max(peaks[chunk], meter.peak)
         meter.peak = meter.live  # the next chunk's window starts here
 
-    done: set[tuple[int, ...]] = set()
-    for lens in micro_batches:
-        key = tuple(lens)  # the mixer's buckets and row order follow the lengths in order
-        if key in done:
-            continue
-        done.add(key)
+    for lens in batches:
         num_tokens = sum(lens)
-        with (_FromData(shadow), shadow, meter.hooks(), warnings.catch_warnings(),
-              mock.patch.object(models.mlp, "grouped_mm_usable", usable),
-              mock.patch.object(torch, "_grouped_mm", _grouped_mm_on_meta, create=True)):
-            warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
+        with meter.hooks():
             tokens = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
             targets = torch.zeros(num_tokens, dtype=torch.long, device="meta")  # [N]
             meter.peak = meter.live
@@ -227,4 +292,113 @@ def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Se
                                      on_chunk_done=chunk_done, logprob_chunk_len=logprob_chunk_len)
         for p in model.parameters():
             p.grad = None
+    return peaks
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One metered forward (the embedding, a decoder layer, or the head with the loss) from a fresh
+    input, bytes above the meter's level at its start."""
+
+    peak: int
+    """The most bytes alive at once during the forward."""
+    kept: int
+    """Bytes alive at its end: what its graph holds for backward (its input's storage among them)."""
+    input_saved: int
+    """Bytes of its input's own storage among `kept` (0 when no op saved the input itself, e.g. a
+    bf16 input that the first norm saves as an FP32 copy)."""
+    other_saved: int
+    """Bytes of another storage the caller names among `kept`: the staged mixer's indices for a
+    layer, the targets for the head (0 when unsaved)."""
+    out_dtype: torch.dtype
+
+
+def _meter_piece(meter: SavedTensorMeter, x: torch.Tensor, other: torch.Tensor | None,
+                 run: Callable[[torch.Tensor], torch.Tensor]) -> _Piece:
+    """Meter `run(x)` on a fresh input x; whether an op saved x's storage, or `other`'s (a tensor the
+    run reads; its storage only matters), is watched in the pack hook."""
+    meter_hooks = meter.hooks()
+    watched = {"input": x.untyped_storage(), "other": other.untyped_storage() if other is not None else None}
+    hit: set[str] = set()
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        hit.update(name for name, s in watched.items() if storage is s)
+        return meter_hooks.pack_hook(t)
+
+    start = meter.live
+    meter.peak = start
+    with torch.autograd.graph.saved_tensors_hooks(pack, meter_hooks.unpack_hook):
+        out = run(x)
+    return _Piece(meter.peak - start, meter.live - start,
+                  watched["input"].nbytes() if "input" in hit else 0,
+                  watched["other"].nbytes() if "other" in hit else 0, out.dtype)
+
+
+def _composed_peaks(chunked: ChunkedModel, batches: list[tuple[int, ...]], logprob_chunk_len: int) -> list[int]:
+    """The chunk peaks of `_full_peaks`, composed from one forward of each distinct layer kind.
+
+    Why this is the same number. A chunk's saved tensors only accumulate during its recompute and
+    are only released by its backward (backward saves nothing the meter sees: the checkpointed
+    segments and logprob pieces recompute under their own hooks), so its peak is reached in the
+    forward: the running sum of the pieces' kept bytes, each piece's own peak on top. A layer's
+    bytes depend on its kind (mixer, MLP, input dtype) and the micro-batch's lengths only, never on
+    its index; it never saves its own output (a residual add). Shared by the layers of a step: the
+    staged mixer's index tensors (one storage, counted once), alive from the first layer that saves
+    them to the end of the step. Alive when chunk c's window opens (trainer/chunks.py
+    `forward_backward_batches`' locals): the targets and the head chunk's input (the loss's graph
+    keeps the latter), and the previous chunk's `out`, until the name is rebound after chunk c's
+    forward: the head chunk's output below the head chunk, else (its graph keeps it) the input of
+    the chunk above. Each of those counts when an op saved it."""
+    model, specs = chunked.model, chunked.specs
+    device = torch.device("meta")
+    hidden_size, last = model.config.hidden_size, len(specs) - 1
+    peaks = [0] * len(specs)
+    for lens in batches:
+        num_tokens = sum(lens)
+
+        # what `_staged_forward` builds for this micro-batch; its index tensors are views of one storage
+        mixer = PackedMixer(SegmentBatch(new_lens=list(lens), starts=[0] * len(lens)), keep_attention=True).stage(device)
+        indices = mixer.positions(device)
+        meter = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers(), indices])  # indices: in the base
+        targets = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
+
+        def hidden(dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(num_tokens, hidden_size, dtype=dtype, device=device, requires_grad=True)  # [N, D]
+
+        tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
+        embedding = _meter_piece(meter, tokens, None, model.model.embed_tokens)
+        kinds: dict[tuple, _Piece] = {}
+        layers, dtype = [], embedding.out_dtype
+        for i in range(len(model.model.layers)):
+            key = (model.config.layer_types[i], model.config.mlp_layer_types[i], dtype)
+            if key not in kinds:
+                kinds[key] = _meter_piece(meter, hidden(dtype), indices, lambda x, i=i: model.run_layer(i, x, mixer))
+            layers.append(kinds[key])
+            dtype = kinds[key].out_dtype
+        head = _meter_piece(meter, hidden(dtype), targets,
+                            lambda x: -model.packed_logprobs(model.model.norm(x), targets, logprob_chunk_len).sum())
+        mixer_bytes = max((p.other_saved for p in kinds.values()), default=0)
+        steps = [(p.peak, p.kept) for p in layers]
+
+        def own(spec) -> int:  # the chunk's forward, piece after piece
+            level = peak = 0
+            for piece_peak, piece_kept in (([(embedding.peak, embedding.kept)] if spec.has_embedding else [])
+                                           + [steps[i] for i in spec.layers]):
+                peak = max(peak, level + piece_peak)
+                level += piece_kept
+            return max(peak, level + head.peak) if spec.has_head else peak
+
+        def input_saved(spec) -> int:
+            return layers[spec.layers[0]].input_saved if spec.layers else head.input_saved
+
+        for c, spec in enumerate(specs):
+            base = mixer_bytes if any(s.layers for s in specs[c:]) else 0
+            if c < last:
+                base += head.other_saved + input_saved(specs[last])
+                if c + 1 < last:
+                    base += input_saved(specs[c + 1])
+                elif specs[last].layers:
+                    base += head.input_saved
+            peaks[c] = max(peaks[c], base + own(spec))
     return peaks

@@ -18,6 +18,7 @@ import torch
 from memory.host_ledger import HostLedger, mem_available_bytes
 from memory.nvme_store import NvmeStore, owner_directory
 from models.checkpoint import load_weights
+from models.expert_parallel import ExpertParallel
 from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import load_tokenizer
@@ -38,10 +39,18 @@ from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
 
 
-def initial_policy(cfg: RunConfig) -> HybridLM:
+def initial_policy(cfg: RunConfig, expert_parallel: ExpertParallel | None = None) -> HybridLM:
     """The starting weights on the CPU, in the run's dtype (experiment.dtype): the checkpoint's, or a
-    seeded random init drawn in FP32 and then cast (so fp32 and bf16 runs start from the same draw)."""
-    model = HybridLM(cfg.model)
+    seeded random init drawn in FP32 and then cast (so fp32 and bf16 runs start from the same draw).
+    Under expert parallelism only this rank's share: built on the meta device and materialised
+    here, its experts read from the checkpoint's files alone (or drawn whole one tensor at a time
+    and sliced: the same weights as one rank's), so no rank holds the whole model."""
+    if expert_parallel is not None:
+        with torch.device("meta"):
+            model = HybridLM(cfg.model, expert_parallel)
+        model = model.to_empty(device="cpu")
+    else:
+        model = HybridLM(cfg.model)
     if cfg.experiment.checkpoint is not None:
         check_checkpoint_model(cfg)
         load_weights(model, cfg.experiment.checkpoint, assign=False)
@@ -64,10 +73,11 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     layout before the engine shared the policy's tensors; tests compare the two)."""
     device = ranks.device
     torch.manual_seed(cfg.seed)
-    policy = initial_policy(cfg).to(device)  # the same weights on every rank: the seed is the run's
+    # the same weights on every rank (the seed is the run's); under expert parallelism its experts only
+    policy = initial_policy(cfg, ranks.expert_parallel).to(device)
     if engine_copy:
         with torch.device(device):  # built where it runs (its random init is overwritten at once)
-            engine_model = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)
+            engine_model = cast_parameters(HybridLM(cfg.model, ranks.expert_parallel), cfg.experiment.torch_dtype)
         engine_model.load_state_dict(policy.state_dict())
     else:
         engine_model = policy  # one copy of the weights: the engine runs on the trainer's parameters
@@ -81,7 +91,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
         engine.suspend_host()  # time-multiplexed: leased at each rollout, once the training states left (orchestrator)
     t = cfg.trainer
     # the lr schedule's horizon: every optimizer step the run will take (ppo_epochs x mini_batches each)
-    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps)
+    trainer = Trainer(policy, t, group=ranks.group, ledger=ledger, total_steps=cfg.optimizer_steps,
+                      expert_group=ranks.expert_data_group)
     check_world(cfg, ranks.world)  # the run's ranks (composition checked WORLD_SIZE)
     rows = None
     if cfg.data.enabled:
@@ -108,7 +119,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     tracker = Tracker(run_dir, cfg.tracking, resolved_config(cfg),
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
     # after a warm-up the reference is its result, built once it is known (`start_from_warmup`)
-    ref = None if warm_started(cfg, resume_from) else reference(cfg, initial_policy(cfg), trainer, ledger)
+    ref = (None if warm_started(cfg, resume_from)
+           else reference(cfg, initial_policy(cfg, ranks.expert_parallel), trainer, ledger))
     return LoopParts(cfg=cfg, policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      ref_model=ref, ledger=ledger, store=store, ranks=ranks, evaluate=evaluate)
 
@@ -148,7 +160,7 @@ def start_from_warmup(cfg: RunConfig, parts: LoopParts, resume: bool) -> dict | 
                             micro_batch_tokens=cfg.trainer.micro_batch_tokens, console=p.tracker.console)
     else:
         record = load_record(cfg.run_dir)
-    weights = cast_parameters(HybridLM(cfg.model), cfg.experiment.torch_dtype)  # on the CPU, as initial_policy
+    weights = cast_parameters(HybridLM(cfg.model, p.ranks.expert_parallel), cfg.experiment.torch_dtype)  # CPU
     if resume:
         load_weights(weights, Path(cfg.run_dir) / "warmup", assign=False)
     else:

@@ -59,7 +59,7 @@ from rl.config import RunConfig
 from rl.config.resume import resolved_config
 from rl.episodes.driver import DROP_REASONS, RolloutDriver, RolloutResult
 from rl.run.checkpoint import save_iteration
-from rl.run.ranks import Ranks, merge_metrics, weights_checksum
+from rl.run.ranks import CHECKSUM_BITS, Ranks, merge_metrics, require_same, weights_checksum
 from rl.run.tracking import Tracker
 from rl.run.update import PackedBatch, policy_update, reference_logprobs
 from rollout.engine import Engine
@@ -329,7 +329,18 @@ def _sync_weights(p: LoopParts, version: int) -> int:
     else:
         p.engine.load_weights(p.policy.state_dict(), version=version)
     checksum = weights_checksum(p.engine.model.state_dict())
-    return p.ranks.check_same(f"the engine weights' checksum after loading version {version}", checksum)
+    what = f"the engine weights' checksum after loading version {version}"
+    if p.ranks.expert_parallel is None:
+        return p.ranks.check_same(what, checksum)
+    # expert parallelism: the ranks holding the same experts agree; the run's checksum chains the shares
+    held: dict[int, list[int]] = {}
+    for expert_rank, value in p.ranks.all_gather((p.ranks.expert_rank, checksum)):
+        held.setdefault(expert_rank, []).append(value)
+    combined = 0
+    for expert_rank in sorted(held):
+        combined = (combined * 1_000_003 + require_same(f"{what} (expert-parallel rank {expert_rank})",
+                                                        held[expert_rank])) & ((1 << CHECKSUM_BITS) - 1)
+    return combined
 
 
 def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, float], train: dict[str, float],
@@ -362,7 +373,7 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
     algo, t = p.cfg.algo, p.cfg.trainer
     batch = PackedBatch(groups, algo.advantage, device=p.device)
     ref = (reference_logprobs(p.ref_model, batch, t.num_chunks, t.chunk_split)
-           if p.ref_model is not None and batch.num_sequences else None)
+           if p.ref_model is not None and (batch.num_sequences or p.policy.expert_parallel is not None) else None)
     with p.tracker.train_progress(total_steps=1) as bar:
         metrics = policy_update(p.trainer, batch, algo.loss, t.micro_batch_tokens, ref,
                                 global_counts=(num_tokens, num_seqs), ppo_epochs=algo.ppo_epochs,

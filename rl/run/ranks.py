@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from models.expert_parallel import ExpertParallel
+
 CHECKSUM_BITS = 52
 """Weight checksums are kept below 2**52 so that a JSON reader or wandb (float64) keeps every bit."""
 
@@ -39,6 +41,22 @@ class Ranks:
     device: torch.device = torch.device("cpu")
     """This rank's device: its models, batches and collective tensors (the GPU of LOCAL_RANK, set as
     the current CUDA device, with NCCL between ranks; the CPU with gloo)."""
+    expert_parallel: ExpertParallel | None = None
+    """This rank's expert-parallel group (parallel.expert > 1; megatron-core's expert model-parallel
+    group): the ranks that split the routed experts between them. None: every rank holds every expert."""
+    expert_data_group: dist.ProcessGroup | None = None
+    """The ranks holding the same experts (megatron-core's expert-data-parallel group): the experts'
+    gradients are reduced over it. None without expert parallelism."""
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without expert parallelism)."""
+        return self.expert_parallel.rank if self.expert_parallel is not None else 0
+
+    @property
+    def writes_experts(self) -> bool:
+        """Whether this rank writes its experts into a checkpoint: the first of the ranks holding them."""
+        return self.expert_parallel is None or dist.get_rank(self.expert_data_group) == 0
 
     @property
     def is_writer(self) -> bool:
@@ -82,7 +100,7 @@ def require_same(what: str, per_rank: list) -> object:
     return per_rank[0]
 
 
-def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0) -> Ranks:
+def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int = 1) -> Ranks:
     """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR/PORT); one process (`Ranks(device=...)`, no process group) when WORLD_SIZE is unset or
     1. device_type "cuda": this rank's device is GPU LOCAL_RANK, made the current CUDA device (a node
@@ -90,7 +108,9 @@ def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0) -> Ranks:
     With several ranks, starts torch.distributed (nccl for "cuda", else gloo) and megatron-core's
     parallel_state (TP = PP = 1: every rank is one data-parallel replica). Undo with `shutdown`.
     `timeout_s` (experiment.collective_timeout_s): a collective waiting longer for a peer fails
-    instead of hanging (a dead rank's peers usually fail at once: its connections close)."""
+    instead of hanging (a dead rank's peers usually fail at once: its connections close).
+    `expert` (parallel.expert): megatron-core's expert_model_parallel_size; its expert model- and
+    expert-data-parallel groups become `expert_parallel` and `expert_data_group`."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type={device_type!r}, expected 'cpu' or 'cuda'")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,15 +126,24 @@ def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0) -> Ranks:
                              f"per node (torchrun --nproc_per_node) or use experiment.device=cpu")
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
+    if world % expert:
+        raise ValueError(f"parallel.expert={expert} does not divide the {world} rank(s); expected a divisor")
     if world == 1:
         return Ranks(device=device)
     rank = int(os.environ["RANK"])
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=expert)
+    ep = edp = None
+    if expert > 1:
+        ep = ExpertParallel(parallel_state.get_expert_model_parallel_group(),
+                            parallel_state.get_expert_model_parallel_rank(), expert)
+        edp = parallel_state.get_expert_data_parallel_group()
     return Ranks(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
-                 group=parallel_state.get_data_parallel_group(), device=device)
+                 group=parallel_state.get_data_parallel_group(), device=device, expert_parallel=ep,
+                 expert_data_group=edp)
 
 
 def shutdown(ranks: Ranks) -> None:

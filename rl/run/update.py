@@ -20,7 +20,7 @@ from rl.episodes.driver import Trajectory
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, Segments, lookup, rl_loss
 from trainer.ref_stream import StreamedReference
-from trainer.step import Trainer, micro_batches
+from trainer.step import Trainer
 
 
 class PackedBatch:
@@ -104,7 +104,9 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     policy_tokens = [sum(t.policy[1:]) for t in batch.trajectories]  # per sequence, from the host lists
     splits = mini_batch_split(batch.num_sequences, mini_batches)
     one_step = ppo_epochs == 1 and len(splits) == 1
-    old = None if one_step or not batch.num_sequences else old_logprobs(trainer, batch, micro_batch_tokens)
+    # (an expert-parallel rank without sequences still joins its peers' passes)
+    old = (None if one_step or not (batch.num_sequences or trainer.expert_parallel is not None)
+           else old_logprobs(trainer, batch, micro_batch_tokens))
     steps: list[tuple[dict[str, float], list[tuple[float, dict[str, float]]], torch.Tensor | None]] = []
     for _ in range(ppo_epochs):
         for seqs in splits:
@@ -137,15 +139,7 @@ def mini_batch_split(num_sequences: int, mini_batches: int) -> list[list[int]]:
 def old_logprobs(trainer: Trainer, batch: PackedBatch, micro_batch_tokens: int | None) -> torch.Tensor:
     """log pi_old(target) [N] float32 for every packed row: the policy as it is now, through the
     trainer's chunk path, micro-batched by the same token budget as training."""
-    parts = []
-    offsets = [0]
-    for n in batch.seq_lens:
-        offsets.append(offsets[-1] + n)
-    for seqs in micro_batches(batch.seq_lens, micro_batch_tokens):
-        start, end = offsets[seqs[0]], offsets[seqs[-1] + 1]
-        parts.append(trainer.forward_logprobs(batch.token_ids[start:end], [batch.seq_lens[i] for i in seqs],
-                                              batch.targets[start:end]))
-    return torch.cat(parts)
+    return trainer.forward_logprobs(batch.token_ids, batch.seq_lens, batch.targets, micro_batch_tokens)
 
 
 def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[int, int], policy_tokens: list[int],

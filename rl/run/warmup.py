@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import save_checkpoint
 from rl.run.ranks import Ranks
 from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
 from rl.envs.tasks.base import make_task
@@ -152,9 +151,9 @@ def run_warmup(config: WarmupConfig, *, trainer: Trainer, engine: Engine, tokeni
     after = evaluate(engine, tokenizer, task_name, task_params, rollout, **kw)
     record = {"steps": steps, "reward_before": before, "reward_after": after, "value": config.value,
               "seconds": time.perf_counter() - t0}
+    out = Path(run_dir) / "warmup"
+    trainer.save_weights(out)  # every rank's part written (expert parallelism: each its experts) on return
     if ranks.is_writer:
-        out = Path(run_dir) / "warmup"
-        save_checkpoint(trainer.model, out)
         (out / f"{RECORD}.tmp").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         (out / f"{RECORD}.tmp").replace(out / RECORD)  # the mark of a complete warm-up, last
     ranks.barrier()
