@@ -135,13 +135,14 @@ class HybridLM(nn.Module):
         tokens, in layer order: what a rank without tokens runs while its expert-parallel peers run
         those layers. Chained (each layer's output feeds the next), so a backward of the result
         (`.sum().backward()`) joins their backward exchanges in reverse order too. -> [0, D]."""
-        weight = self.model.embed_tokens.weight
+        moes = [mlp for i in (range(len(self.model.layers)) if layers is None else layers)
+                if isinstance(mlp := self.model.layers[i].mlp, MoE)]
+        # the layers' own device and dtype (a streamed reference binds only the chunk that runs)
+        weight = moes[0].experts.w1 if moes else self.model.embed_tokens.weight
         hidden = torch.zeros(0, self.config.hidden_size, dtype=weight.dtype, device=weight.device,
                              requires_grad=torch.is_grad_enabled())
-        for index in range(len(self.model.layers)) if layers is None else layers:
-            mlp = self.model.layers[index].mlp
-            if isinstance(mlp, MoE):
-                hidden = hidden + mlp(hidden)
+        for mlp in moes:
+            hidden = hidden + mlp(hidden)
         return hidden
 
     def _run(self, token_ids: torch.Tensor, batch: SegmentBatch, states: Sequence[SequenceState | None],

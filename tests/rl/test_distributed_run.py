@@ -47,11 +47,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, *overrides: str, nproc: int) -> subprocess.CompletedProcess:
-    """`python -m rl.train` (nproc=1) or `python -m torch.distributed.run --nproc_per_node nproc -m rl.train`."""
+def launch(run_dir: Path, *overrides: str, nproc: int, fault: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m rl.train` (nproc=1) or `python -m torch.distributed.run --nproc_per_node nproc -m rl.train`;
+    `fault` ("<phase>:<iteration>"): every rank kills itself with SIGKILL as that phase starts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in ("HYBRIDRL_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    if fault is not None:
+        env.update(HYBRIDRL_FAULT=fault, HYBRIDRL_TEST_FAULTS="1")
     launcher = ([] if nproc == 1 else
                 ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())])
@@ -64,6 +67,8 @@ def launch(run_dir: Path, *overrides: str, nproc: int) -> subprocess.CompletedPr
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    if done.returncode != 0:  # the whole output, for the post-mortem (pytest shows its tail)
+        Path(os.environ.get("TMPDIR", "/tmp"), "failed_run.log").write_text(done.stdout + "\n" + done.stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
