@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -107,13 +108,12 @@ def _disk_files(path: Path) -> tuple[dict[str, str] | None, list[str]]:
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def _read_tensors(path: Path, wanted: set[str] | None = None
-                  ) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.Tensor]]:
-    """(shape of every tensor on disk, the `wanted` ones read (all with None)) of a checkpoint
-    directory, single file or sharded. Only the wanted tensors are read from the files."""
+def _index_tensors(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(shape, file) of every tensor of a checkpoint directory, single file or sharded, read from
+    the files' headers (no tensor data)."""
     weight_map, files = _disk_files(path)
     shapes: dict[str, tuple[int, ...]] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    file_of: dict[str, str] = {}
     for file in files:
         if not (path / file).exists():
             raise CheckpointError(f"{path}: shard {file} listed in {INDEX_FILE} is missing")
@@ -122,13 +122,11 @@ def _read_tensors(path: Path, wanted: set[str] | None = None
                 if weight_map is not None and weight_map.get(name) != file:
                     raise CheckpointError(f"{path}: tensor {name} found in {file} but the index maps it to "
                                           f"{weight_map.get(name)!r}")
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-                if wanted is None or name in wanted:
-                    tensors[name] = f.get_tensor(name)
+                shapes[name], file_of[name] = tuple(f.get_slice(name).get_shape()), file
     if weight_map is not None and set(weight_map) - set(shapes):
         raise CheckpointError(f"{path}: tensors listed in {INDEX_FILE} are absent from their shards: "
                               f"{sorted(set(weight_map) - set(shapes))[:10]}")
-    return shapes, tensors
+    return shapes, file_of
 
 
 def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None, assign: bool = True) -> HybridLM:
@@ -140,13 +138,15 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
     Strict: every missing, unexpected or mis-shaped tensor is reported by its on-disk name with
     the expected and actual shapes, and nothing is loaded unless all match. Returns the model.
     An expert-parallel model (models/expert_parallel.py) reads only its own experts' tensors; the
-    check covers the whole model's.
+    check covers the whole model's. Streamed: one tensor is read at a time and copied in place
+    (assign=False) or kept as the parameter (assign=True), so loading holds at most the model plus
+    one on-disk tensor.
     """
     path = Path(path)
     ours = model.state_dict(keep_vars=True)
     pieces_of = disk_pieces(model, ours)
     expected = disk_shapes(model)
-    shapes, on_disk = _read_tensors(path, {d for pieces in pieces_of.values() for d, _ in pieces})
+    shapes, file_of = _index_tensors(path)
     missing = [f"{d} (expected shape {list(s)})" for d, s in expected.items() if d not in shapes]
     extra = [f"{d} (shape {list(s)})" for d, s in shapes.items() if d not in expected]
     bad_shape = [f"{d}: expected shape {list(expected[d])}, found {list(s)}"
@@ -158,13 +158,24 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
                 lines.append(f"  {title} ({len(items)}): " + "; ".join(items[:20]) + (" ..." if len(items) > 20 else ""))
         raise CheckpointError("\n".join(lines))
     state = {}
-    for name, param in ours.items():
-        pieces = [on_disk[d] for d, _ in pieces_of[name]]
-        tensor = torch.stack(pieces) if _STACKED_EXPERTS.match(to_disk_name(name)) else pieces[0].reshape(param.shape)
-        if dtype is not None and tensor.is_floating_point() and not name.endswith(_FP32_SUFFIXES):
-            tensor = tensor.to(dtype)
-        state[name] = tensor
-    model.load_state_dict(state, strict=True, assign=assign)
+    with ExitStack() as files:
+        handles = {f: files.enter_context(safe_open(path / f, framework="pt")) for f in sorted(set(file_of.values()))}
+        for name, param in ours.items():
+            stacked = _STACKED_EXPERTS.match(to_disk_name(name)) is not None
+            cast = dtype if dtype is not None and param.is_floating_point() and not name.endswith(_FP32_SUFFIXES) else None
+            if not assign:  # in place, piece by piece: no stacked copy
+                with torch.no_grad():
+                    for e, (d, _) in enumerate(pieces_of[name]):
+                        piece = handles[file_of[d]].get_tensor(d)
+                        (param.detach()[e] if stacked else param.detach()).copy_(piece.reshape(
+                            param.shape[1:] if stacked else param.shape))
+                continue
+            pieces = [handles[file_of[d]].get_tensor(d) for d, _ in pieces_of[name]]
+            tensor = torch.stack(pieces) if stacked else pieces[0].reshape(param.shape)
+            del pieces
+            state[name] = tensor.to(cast) if cast is not None else tensor
+    if assign:
+        model.load_state_dict(state, strict=True, assign=True)
     return model
 
 
