@@ -129,6 +129,51 @@ def _index_tensors(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, st
     return shapes, file_of
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class _Reader:
+    """Reads a safetensors file's tensors with plain reads (no memory map, so no page of the file is
+    mapped into the process): `read_into` fills a CPU tensor of the stored dtype and size in place,
+    with no temporary; `get` returns a new tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "rb")
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header = json.loads(self.file.read(size))
+        self.base = 8 + size
+
+    def _entry(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        return _SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"], self.base + begin, end - begin
+
+    def fits(self, name: str, dest: torch.Tensor) -> bool:
+        dtype, shape, _, _ = self._entry(name)
+        return (dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+                and dest.numel() == torch.Size(shape).numel())
+
+    def read_into(self, name: str, dest: torch.Tensor) -> None:
+        _, _, offset, nbytes = self._entry(name)
+        view = dest.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes
+        if view.nbytes != nbytes:
+            raise CheckpointError(f"{self.file.name}: {name} holds {nbytes} B, the destination {view.nbytes} B")
+        self.file.seek(offset)
+        if self.file.readinto(view) != nbytes:
+            raise CheckpointError(f"{self.file.name}: {name} is truncated")
+
+    def get(self, name: str) -> torch.Tensor:
+        dtype, shape, _, _ = self._entry(name)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, out)
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = None, assign: bool = True) -> HybridLM:
     """Fill `model` (possibly on the meta device) with the tensors of checkpoint directory `path`.
 
@@ -138,9 +183,10 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
     Strict: every missing, unexpected or mis-shaped tensor is reported by its on-disk name with
     the expected and actual shapes, and nothing is loaded unless all match. Returns the model.
     An expert-parallel model (models/expert_parallel.py) reads only its own experts' tensors; the
-    check covers the whole model's. Streamed: one tensor is read at a time and copied in place
-    (assign=False) or kept as the parameter (assign=True), so loading holds at most the model plus
-    one on-disk tensor.
+    check covers the whole model's. Streamed, with plain reads (no memory map): with assign=False
+    each tensor is read straight into its parameter (a temporary only where the dtype or device
+    differs), with assign=True it becomes the parameter; so loading holds the model plus at most one
+    on-disk tensor.
     """
     path = Path(path)
     ours = model.state_dict(keep_vars=True)
@@ -159,18 +205,24 @@ def load_weights(model: HybridLM, path: str | Path, dtype: torch.dtype | None = 
         raise CheckpointError("\n".join(lines))
     state = {}
     with ExitStack() as files:
-        handles = {f: files.enter_context(safe_open(path / f, framework="pt")) for f in sorted(set(file_of.values()))}
+        handles = {}
+        for f in sorted(set(file_of.values())):
+            handles[f] = _Reader(path / f)
+            files.callback(handles[f].close)
         for name, param in ours.items():
             stacked = _STACKED_EXPERTS.match(to_disk_name(name)) is not None
             cast = dtype if dtype is not None and param.is_floating_point() and not name.endswith(_FP32_SUFFIXES) else None
-            if not assign:  # in place, piece by piece: no stacked copy
+            if not assign:  # in place, piece by piece: read straight into the tensor where it can
                 with torch.no_grad():
                     for e, (d, _) in enumerate(pieces_of[name]):
-                        piece = handles[file_of[d]].get_tensor(d)
-                        (param.detach()[e] if stacked else param.detach()).copy_(piece.reshape(
-                            param.shape[1:] if stacked else param.shape))
+                        dest = param.detach()[e] if stacked else param.detach()
+                        reader = handles[file_of[d]]
+                        if reader.fits(d, dest):
+                            reader.read_into(d, dest)
+                        else:
+                            dest.copy_(reader.get(d).reshape(dest.shape))
                 continue
-            pieces = [handles[file_of[d]].get_tensor(d) for d, _ in pieces_of[name]]
+            pieces = [handles[file_of[d]].get(d) for d, _ in pieces_of[name]]
             tensor = torch.stack(pieces) if stacked else pieces[0].reshape(param.shape)
             del pieces
             state[name] = tensor.to(cast) if cast is not None else tensor

@@ -27,6 +27,10 @@ LONG_CONTEXT = ["train_peak_ratio_32k_vs_8k", "train_tok_s_32k_vs_2k", "prefill_
 KEYS = {
     "agentic": ["async_vs_serial_time", "same_trajectories", "tool_timeouts", "engine_busy_fraction", "serial_s",
                 "async_s", "env_calls"],
+    "expert_parallel": ["ep_logits_max_abs_err", "ep_greedy_tokens_equal", "ep2_device_weight_bytes_vs_ep1",
+                        "grad_reductions_per_chunk_per_step", "startup_host_peak_vs_shard",
+                        "plan_48b_ep8_gpu_weights_gib", "plan_48b_ep8_largest_pool_gib", "plan_48b_seconds",
+                        "planner_max_rel_err", "startup_one_rank_peak_vs_model", "expert_share"],
     "kernels": KERNELS,
     "kv_eviction": ["h2o_kv_bytes_vs_full", "h2o_token_agree", "infinigen_kv_bytes_vs_full", "infinigen_token_agree",
                     "h2o_kl", "infinigen_kl", "full_tok_s", "h2o_tok_s", "infinigen_tok_s"],
