@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels.jit import announce_build
 from memory.nvme_store import NvmeStore
+from memory.pinned import pinned_empty
 from trainer.lr_schedule import LR_SCHEDULES, lr_factor
 
 
@@ -191,6 +192,10 @@ class ShardedHostAdamW:
         """Bytes of the spill files on disk (0 when resident: restore drops them)."""
         self._layout: list[dict[str, tuple[torch.Size, torch.dtype]]] = []
         """Per bucket: name -> (shape, dtype) of the spilled states."""
+        self._staging: dict[int, torch.Tensor] = {}
+        """CUDA: per bucket, the page-locked buffer its gradient shard is copied into."""
+        self._in_flight: dict[int, torch.cuda.Event] = {}
+        """CUDA: buckets whose shard copy has not landed in the host gradient yet."""
 
     @staticmethod
     def _padded_flat(params: list[nn.Parameter], numel: int) -> torch.Tensor:
@@ -207,15 +212,43 @@ class ShardedHostAdamW:
         if summed_grad_shard.numel() != self.shard_numels[bucket]:
             raise ValueError(f"bucket {bucket}: gradient shard has {summed_grad_shard.numel()} elements, expected "
                              f"{self.shard_numels[bucket]}")
-        shard = summed_grad_shard.detach().float().cpu()
+        shard = summed_grad_shard.detach().float()
+        if shard.device.type == "cuda":  # into a page-locked buffer without a host sync: an event, waited on first use
+            self._copy_async(bucket, shard)
+            return
         master = self.masters[bucket]
+        shard = shard.cpu()
         master.grad = shard.clone() if master.grad is None else master.grad.add_(shard)
+
+    def _copy_async(self, bucket: int, shard: torch.Tensor) -> None:
+        """CUDA: copy the shard into this bucket's exact-size page-locked buffer (non-blocking, after
+        the reduction on the current stream) and record an event; `_land` adds it into the host
+        gradient when the host first needs it. One buffer per bucket: a second shard of the same
+        bucket in a step (never, with one reduction per chunk per step) lands the first one before.
+        Not yet run on a GPU (none so far)."""
+        if bucket in self._in_flight:
+            self._land(bucket)
+        buf = self._staging.get(bucket)
+        if buf is None:
+            buf = self._staging[bucket] = pinned_empty(shard.numel(), torch.float32)
+        buf.copy_(shard, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight[bucket] = event
+
+    def _land(self, bucket: int | None = None) -> None:
+        """Wait for the in-flight shard copies (one bucket's, or all) and add them into the host gradients."""
+        for b in [bucket] if bucket is not None else list(self._in_flight):
+            self._in_flight.pop(b).synchronize()
+            master, shard = self.masters[b], self._staging[b]
+            master.grad = shard.clone() if master.grad is None else master.grad.add_(shard)
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards over every chunk: a 0-dim FP32 tensor on the
         host (inf/NaN when any gradient element is). Summed over ranks it is the squared global norm
         (the shards partition each chunk's flat gradient; padding is zero). Between the last
         `add_grad` of a step and `step`."""
+        self._land()
         missing = [c for c, m in enumerate(self.masters) if m.grad is None]
         if missing:
             raise RuntimeError(f"gradient norm without gradients for chunks {missing}")
@@ -231,6 +264,7 @@ class ShardedHostAdamW:
     def step(self) -> None:
         """Update every master shard, then all-gather the shards into the model's parameters."""
         self._require_resident("step")
+        self._land()
         missing = [c for c, m in enumerate(self.masters) if m.grad is None]
         if missing:
             raise RuntimeError(f"optimizer step without gradients for chunks {missing}")
@@ -403,6 +437,7 @@ class ShardedHostAdamW:
             self._free()
 
     def zero_grad(self) -> None:
+        self._land()
         for master in self.masters:
             master.grad = None
 

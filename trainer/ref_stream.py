@@ -57,6 +57,7 @@ from torch import nn
 
 from memory.grad_arena import GradArena
 from memory.host_ledger import HostLedger
+from memory.pinned import pinned_empty
 from models.fused import drop_fused, unfused
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
@@ -142,7 +143,7 @@ class StreamedReference:
         self.host: list[torch.Tensor] | None = []  # None after close()
         with torch.no_grad():
             for entries in self.layout:
-                flat = torch.zeros(entries[-1].end, dtype=torch.uint8, device="cpu", pin_memory=pinned)
+                flat = pinned_empty(entries[-1].end, torch.uint8, pin=pinned)  # locked at its exact size
                 for e in entries:
                     flat[e.offset:e.end].view(e.dtype).copy_(source[e.name].reshape(-1))
                 self.host.append(flat)  # [chunk bytes] uint8

@@ -1,13 +1,15 @@
-"""The memory planner: `python -m rl.plan [cluster=<preset>] [cluster.key=value] [plan.key=value] <rl.train overrides>`.
+"""The memory planner: `python -m rl.plan [cluster=<preset>] [cluster.key=value] [plan.key=value] [parallel.expert=N] <rl.train overrides>`.
 
 Composes the same config as `python -m rl.train` (configs/config.yaml, the same overrides), plus a
-cluster preset (configs/cluster/<preset>.yaml: cpu, h200x8, h200x8x2; `cluster.*` overrides) and
-the planner's workload options (`plan.seq_len`, `plan.png`; rl/plan/cluster.py). Prints, for one
+cluster preset (configs/cluster/<preset>.yaml: cpu, h200x8, h200x8x2; `cluster.*` overrides),
+the planner's workload options (`plan.seq_len`, `plan.png`; rl/plan/cluster.py). The run config
+is composed for the cluster's world (its rank checks, parallel.expert among them, see WORLD_SIZE =
+the cluster's ranks). Prints, for one
 rank, every memory consumer's bytes on each tier in each phase of a steady-state iteration
 (rl/plan/model.py: the formulas and helpers the run itself uses), whether each tier fits the
 cluster in every phase (device per GPU; host and NVMe per node, i.e. ranks per node x one rank),
-the largest engine.pool_mb the rollout phase leaves room for, and the longest context one
-sequence's KV fits in the pool. Exit status 1 when a tier does not fit (each one named, with the
+the largest engine.pool_mb the rollout phase leaves room for, the longest context one
+sequence's KV fits in the pool, and its own wall time. Exit status 1 when a tier does not fit (each one named, with the
 phase and the shortfall), 2 on a bad config. `plan.png=<path>` draws the planned timeline the way a
 run draws its memory.png (rl/run/tracking.py), from the same records phases.jsonl would hold.
 
@@ -15,7 +17,10 @@ run draws its memory.png (rl/run/tracking.py), from the same records phases.json
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +31,8 @@ from rich.table import Table
 from rl.config import CONFIGS, RunConfig, compose_run_config
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
 from memory.tiers import DEVICE_KEYS, DISK_KEYS, HOST_KEYS
-from rl.plan.model import PhaseMemory, Sizes, host_budget_bytes, meta_policy, plan_phases, plan_sizes
+from rl.plan.model import (PhaseMemory, Sizes, expert_parallel_size, host_budget_bytes, meta_policy, plan_phases,
+                           plan_sizes)
 from rl.run.tracking import plot_memory
 from trainer.chunks import chunk_specs
 
@@ -34,8 +40,9 @@ from trainer.chunks import chunk_specs
 @dataclass(frozen=True)
 class Verdict:
     tier: str
-    """"device" (per GPU), "host" (per node), "disk" (per node), "device+host" (device_is_host), or
-    "pool": one sequence of engine.max_model_len in the KV pool (the engine refuses to start otherwise)."""
+    """"device" (per GPU), "host" (per node), "disk" (per node), "device+host" (device_is_host),
+    "startup" (host per node at start-up or resume: `Sizes.startup_host_peak` x ranks), or "pool":
+    one sequence of engine.max_model_len in the KV pool (the engine refuses to start otherwise)."""
     need_bytes: int
     """The most the tier holds in any phase."""
     capacity_bytes: int
@@ -56,6 +63,8 @@ class Plan:
     verdicts: list[Verdict]
     max_pool_mb: int
     """The largest engine.pool_mb every phase holding the pool leaves room for (0: none)."""
+    seconds: float
+    """Wall time of planning it (`make_plan`)."""
 
     @property
     def fits(self) -> bool:
@@ -78,8 +87,17 @@ class Plan:
 host_capacity_bytes = host_budget_bytes  # one node's host budget (rl/plan/model.py)
 
 
+def device_need(sizes: Sizes, phase: PhaseMemory) -> int:
+    """Device bytes of one rank at the phase's peak: its logged total, and in the train phase the
+    transients beside the activations (`Sizes.train_transient`: the chunk-input stash, or the
+    optimizer's all-gather temporaries)."""
+    extra = sizes.train_transient - sizes.activation_peak if phase.phase == "train" else 0
+    return phase.memory["device_total"] + extra
+
+
 def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions()) -> Plan:
     """The plan of `cfg` on `cluster`: sizes, per-phase bytes, a verdict per tier, the largest pool."""
+    start = time.perf_counter()
     sizes = plan_sizes(cfg, cluster, options)
     phases = plan_phases(cfg, sizes, cluster.world)
     ranks = cluster.gpus_per_node
@@ -91,22 +109,47 @@ def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pla
 
     if cluster.device_is_host:  # one memory: every rank's device and host bytes share the node's DRAM
         device_cap = host_cap // ranks
-        verdicts = [verdict("device+host", lambda p: ranks * (p.memory["device_total"] + p.memory["host_total"]),
+        verdicts = [verdict("device+host", lambda p: ranks * (device_need(sizes, p) + p.memory["host_total"]),
                             host_cap)]
     else:
         device_cap = int(cluster.gpu_memory_gib * GIB)
-        verdicts = [verdict("device", lambda p: p.memory["device_total"], device_cap),
+        verdicts = [verdict("device", lambda p: device_need(sizes, p), device_cap),
                     verdict("host", lambda p: ranks * p.memory["host_total"], host_cap)]
     verdicts.append(verdict("disk", lambda p: ranks * p.memory["disk_total"], int(cluster.nvme_gib * GIB)))
+    verdicts.append(Verdict("startup", ranks * sizes.startup_host_peak, host_cap, "start"))
     longest = cfg.engine.longest_kv_tokens  # a KV budget caps what one sequence holds
     verdicts.append(Verdict("pool", sizes.layout.sequence_pages(longest) * sizes.layout.page_bytes, sizes.pool, "rollout"))
     # The pool gets whatever device memory the phases that hold it leave free (all of them when it
     # is not released for training).
     holding = [p for p in phases if not cfg.memory.release_pool_in_train
                or p.phase in ("wake", "load_weights", "rollout")]
-    headroom = [device_cap - (p.memory["device_total"] - p.memory["device_pool"])
+    headroom = [device_cap - (device_need(sizes, p) - p.memory["device_pool"])
                 - (p.memory["host_total"] if cluster.device_is_host else 0) for p in holding]
-    return Plan(cfg, cluster, sizes, phases, verdicts, max(0, min(headroom, default=0)) >> 20)
+    return Plan(cfg, cluster, sizes, phases, verdicts, max(0, min(headroom, default=0)) >> 20,
+                time.perf_counter() - start)
+
+
+WORKLOAD_48B = ("experiment.dtype=bf16", "trainer.num_chunks=27", "rollout.groups_per_iteration=8",
+                "memory.reference=stream", "algo.loss.kl_coef=0.01", "memory.spill_dir=/local_nvme/spill",
+                "engine.max_model_len=8192", "trainer.micro_batch_tokens=8192", "engine.pool_mb=20480")
+"""docs/plan-48b.md's workload: bf16, one layer per chunk, 16 sequences of 8k tokens per rank (one per
+micro-batch), a streamed KL reference, the optimizer states spilled to NVMe, a 20 GiB pool."""
+
+
+def plan_summary(model: str, cluster: str, expert: int = 1, overrides: list[str] | tuple[str, ...] = WORKLOAD_48B
+                 ) -> dict:
+    """The headline figures of `python -m rl.plan model=<model> cluster=<cluster> parallel.expert=<expert>
+    *overrides`, for benchmarks: device weights per GPU (gpu_weights_gib), the largest engine.pool_mb
+    that fits (largest_pool_gib), the train phase's device peak (train_device_gib), whether every tier
+    fits, and the planning wall time in seconds (seconds: composition and plan)."""
+    start = time.perf_counter()
+    cfg, cluster_config, options = compose_plan_inputs(
+        [f"model={model}", f"cluster={cluster}", f"parallel.expert={expert}", *overrides])
+    plan = make_plan(cfg, cluster_config, options)
+    train = next(p for p in plan.steady() if p.phase == "train")
+    return {"gpu_weights_gib": plan.sizes.weights / GIB, "largest_pool_gib": plan.max_pool_mb / 1024,
+            "train_device_gib": device_need(plan.sizes, train) / GIB, "fits": plan.fits,
+            "seconds": time.perf_counter() - start}
 
 
 def fmt_bytes(n: int) -> str:
@@ -123,8 +166,9 @@ def render(plan: Plan, console: Console) -> None:
     cfg, cluster, sizes = plan.cfg, plan.cluster, plan.sizes
     steady = plan.steady()
     console.print(f"[bold]memory plan[/bold]: model {cfg.model.num_hidden_layers} layers, "
-                  f"{fmt_bytes(sizes.weights)} of weights "
-                  f"({cfg.experiment.dtype}), cluster {cluster.name}: {cluster.nodes} x "
+                  f"{fmt_bytes(sizes.weights)} of weights per GPU ({cfg.experiment.dtype}; "
+                  f"{fmt_bytes(sizes.weights_replicated)} replicated + {fmt_bytes(sizes.weights_routed)} routed experts, "
+                  f"parallel.expert={sizes.expert_parallel}), cluster {cluster.name}: {cluster.nodes} x "
                   f"{cluster.gpus_per_node} ranks (world {cluster.world}); trainer.num_chunks={cfg.trainer.num_chunks}, "
                   f"engine.pool_mb={cfg.engine.pool_mb}, memory.reference={cfg.memory.reference}, "
                   f"memory.spill_dir={cfg.memory.spill_dir}, {sizes.num_train_tokens:,} trained tokens per rank "
@@ -153,8 +197,8 @@ def render(plan: Plan, console: Console) -> None:
                      "*parked: an upper bound, inside pool")
     console.print(table)
     for v in plan.verdicts:
-        scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.engine.max_model_len:,}"}.get(
-            v.tier, "per node")
+        scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.engine.max_model_len:,}",
+                 "startup": "host per node, start-up or resume"}.get(v.tier, "per node")
         if v.fits:
             console.print(f"{v.tier} ({scope}): fits, {fmt_bytes(v.need_bytes)} of {fmt_bytes(v.capacity_bytes)} "
                           f"at most (in {v.phase})")
@@ -171,6 +215,15 @@ def render(plan: Plan, console: Console) -> None:
     console.print(f"activation peak: chunk {top} of {len(peaks)} ({', '.join(parts)}), "
                   f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
                   f"smallest chunk peak {fmt_bytes(min(peaks))}")
+    train = next(p for p in steady if p.phase == "train")
+    console.print(f"chunk-input stash (device, train forward/backward): {fmt_bytes(sizes.chunk_input_stash)}; "
+                  f"optimizer all-gather temporaries (device, optimizer step): {fmt_bytes(sizes.optimizer_gather_peak)}")
+    console.print(f"train phase device peak (per GPU): {fmt_bytes(device_need(sizes, train))} (the table's train total "
+                  f"less the activation peak, plus the larger of activations + stash and the all-gather temporaries)")
+    console.print(f"host pinned (per rank, inside the host total): {fmt_bytes(sizes.host_pinned)} (host KV pool + "
+                  f"streamed reference, exact sizes)")
+    console.print(f"host at start-up (per rank): {fmt_bytes(sizes.startup_host_peak)} (this rank's weights in "
+                  f"{cfg.experiment.dtype} while loading + its FP32 master shards)")
     layout = sizes.layout
     console.print(f"KV pool: {sizes.pool_pages:,} pages of {fmt_bytes(layout.page_bytes)} ({layout.block_tokens} "
                   f"tokens per MLA page; padding {layout.kda_padding_fraction:.1%} of each KDA page, "
@@ -201,10 +254,26 @@ def phase_records(plan: Plan) -> list[dict]:
              "memory": p.memory} for p in plan.phases]
 
 
+@contextmanager
+def world_size(world: int):
+    """WORLD_SIZE set to `world` inside (the run config checks its rank rules against it)."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
 def compose_plan_inputs(argv: list[str]) -> tuple[RunConfig, ClusterConfig, PlanOptions]:
-    """Split the command line into the run's overrides (composed as rl.train composes them), the
-    cluster preset and its `cluster.*` overrides, and `plan.*` options. Raises ValueError (bad
-    values), FileNotFoundError (unknown preset) or Hydra/OmegaConf errors (unknown keys, bad types)."""
+    """Split the command line into the run's overrides (composed as rl.train composes them, for a
+    world of the cluster's ranks), the cluster preset and its `cluster.*` overrides, and `plan.*`
+    options. Raises ValueError (bad values, among them a parallel.expert that does not divide the
+    world size or the expert count), FileNotFoundError (unknown preset) or Hydra/OmegaConf errors
+    (unknown keys, bad types)."""
     preset, cluster_args, plan_args, run_args = "cpu", [], [], []
     for arg in argv:
         if arg.startswith("cluster="):
@@ -219,14 +288,18 @@ def compose_plan_inputs(argv: list[str]) -> tuple[RunConfig, ClusterConfig, Plan
     if not path.exists():
         presets = sorted(p.stem for p in path.parent.glob("*.yaml"))
         raise FileNotFoundError(f"cluster={preset}: no preset {path}; presets: {', '.join(presets)}")
-    cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.load(path),
-                              OmegaConf.from_dotlist(cluster_args))
+    cluster = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.load(path),
+                                                  OmegaConf.from_dotlist(cluster_args)))
     options = OmegaConf.merge(OmegaConf.structured(PlanOptions), OmegaConf.from_dotlist(plan_args))
-    return compose_run_config(run_args), OmegaConf.to_object(cluster), OmegaConf.to_object(options)
+    with world_size(cluster.world):
+        cfg = compose_run_config(run_args)
+    expert_parallel_size(cfg, cluster)
+    return cfg, cluster, OmegaConf.to_object(options)
 
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     """The command; returns the exit status (0 fits, 1 does not fit, 2 bad config)."""
+    start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     if any(a in ("-h", "--help") for a in argv):
@@ -242,6 +315,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     if options.png is not None:
         plot_memory(phase_records(plan), Path(options.png), last_iterations=2)
         console.print(f"memory timeline: {options.png}")
+    console.print(f"planned in {time.perf_counter() - start:.1f} s (the activation probe ran "
+                  f"{plan.sizes.activation_layer_runs} layer forwards on the meta device)")
     return 0 if plan.fits else 1
 
 

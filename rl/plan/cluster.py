@@ -5,7 +5,6 @@ cluster=h200x8 cluster.nodes=2 ...`. Capacities are what a run can use: a GPU's 
 sees it (less the CUDA context), a node's DRAM before the host ledger's 10% reserve (the planner
 applies it, as rl/train.py does, unless memory.host_budget_mb sets the node's budget).
 `PlanOptions` (`plan.*` overrides) holds the workload figures the run config does not fix.
-`ParallelConfig` is the run's `parallel` group as the planner reads it (`parallel.expert=8`).
 """
 from __future__ import annotations
 
@@ -62,24 +61,3 @@ class PlanOptions:
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"plan.seq_len={self.seq_len}, expected >= 2 (a trained token needs a prefix)")
 
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """The run's parallel layout (the `parallel` config group, configs/parallel/default.yaml): the
-    planner reads the run config's `parallel` where it has one, else `parallel.*` overrides of its own
-    command line onto these defaults."""
-
-    expert: int = 1
-    """Expert-parallel ranks: each MoE layer's routed experts (`experts.w1/w2/w3`) are split over this
-    many ranks, everything else is whole on every rank; it must divide the world size and the expert
-    count. 1 = every rank holds every expert."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
-            raise ValueError(f"parallel.expert={self.expert!r}, expected an int >= 1")
-
-    def check(self, world: int, num_experts: int) -> None:
-        """Raise ValueError unless `expert` divides the world size and the expert count."""
-        if world % self.expert or num_experts % self.expert:
-            raise ValueError(f"parallel.expert={self.expert}: expected a divisor of the world size ({world} ranks) "
-                             f"and of the model's expert count ({num_experts})")

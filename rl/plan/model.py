@@ -1,28 +1,37 @@
 """The memory model of a run: bytes of every consumer, per tier, per phase, from the config alone.
 
-Pure functions of (RunConfig, ClusterConfig, PlanOptions); nothing of the model's size is
-allocated (the model is built on the meta device). Each figure uses the formula, and where possible
-the very helper, of the code that allocates it:
+Pure functions of (RunConfig, ClusterConfig, PlanOptions); nothing of the model's
+size is allocated (the model is built on the meta device). Each figure uses the formula, and where
+possible the very helper, of the code that allocates it:
 
-- device weights: the policy's parameters in experiment.dtype (models/precision.py: a few stay
-  FP32); the engine runs on the same tensors (rl/train.py `build`), so they count once.
+- expert parallelism (parallel.expert = N): the routed experts (`experts.w1/w2/w3` of every MoE
+  layer) are split over N ranks, each holding 1/N of them; everything else is whole on every rank
+  (`RankParams`). The optimizer shards replicated parameters over the whole world and a rank's
+  experts over the world / N ranks holding the same experts (`shard_groups`).
+- device weights: this rank's parameters in experiment.dtype (models/precision.py: a few stay
+  FP32); the engine runs on the same tensors (rl/run/build.py), so they count once.
 - device pool: `CacheLayout.for_model` page bytes (MLA latents in the model's dtype, KDA states in
   engine.kda_state_dtype) times engine.pool_mb // page_bytes pages, as `PagePool.from_bytes`.
 - device grad slots: num_grad_slots FP32 slots of the largest VPP chunk, padded to a multiple of
-  the world (`split_chunks` + `ChunkedModel.chunk_parameters`, ShardedHostAdamW's padding).
-- device activation peak: `rl/plan_activation.chunk_activation_peaks`, the trainer's own chunk
-  forward/backward on the meta device for this rank's micro-batches, the MoE in the form the
-  planned device runs (`moe_grouped_mm`).
-- device reference: a resident reference (memory.reference=resident) is a second model in the
-  run's dtype; a streamed one borrows the grad slots (0 extra).
-- host masters / grads / moments: per chunk one FP32 shard of ceil(numel / world) elements each;
-  AdamW keeps two per chunk plus a step counter (a 4-byte tensor with torch's AdamW, a python int
-  with DeepSpeed's, which "auto" picks when it builds).
+  the ranks each of its vectors is sharded over (`split_chunks` + `ChunkedModel.chunk_parameters`,
+  ShardedHostAdamW's padding).
+- device activation peak: rl/plan/activation.py `probe_activations`, the trainer's own layers on
+  the meta device for this rank's micro-batches, the MoE in the form the planned device runs
+  (`moe_grouped_mm`). Under expert parallelism it is the one-rank routed path's: with balanced
+  routing a rank runs as many token-expert rows for its peers as it sends them.
+- device, train phase, outside the logged keys (`Sizes.train_transient`): the chunk-input stash
+  of the chunk-major micro-batches and the optimizer step's all-gather temporaries.
+- device reference: a resident reference (memory.reference=resident) is a second copy of this
+  rank's weights; a streamed one borrows the grad slots (0 extra).
+- host masters / grads / moments: per chunk and vector one FP32 shard of ceil(numel / ranks)
+  elements each; AdamW keeps two per shard plus a step counter (a 4-byte tensor with torch's AdamW,
+  a python int with DeepSpeed's, which "auto" picks when it builds).
 - host pool: engine.host_pool_mb // page_bytes pages; host parked: the KV of paused partial
   rollouts over the train phase, inside the host pool (an upper bound: how many are paused is up to
   the budget and the dispatcher).
 - host reference: the streamed reference's host vectors, chunk by chunk, each parameter aligned to
   its element size, a tied head repeated in the last chunk (trainer/ref_stream.py's layout).
+- host pinned, host at start-up: `Sizes.host_pinned`, `Sizes.startup_host_peak`.
 - disk spilled: the NVMe store's file bytes of every chunk's states (memory/spill_format.py's plan).
 - time-multiplexing (memory.spill_dir and a host pool): the host pool is leased from "host_in" to
   "host_out" only; with engine.host_pool_mb=auto it is the rank's share of the host budget less what
@@ -36,6 +45,7 @@ dict are those `Phases.memory()` logs to phases.jsonl.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +57,9 @@ from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
-from rl.plan.activation import chunk_activation_peaks
+from rl.plan.activation import probe_activations
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
+from rl.run.update import mini_batch_split
 from memory.tiers import with_totals
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
@@ -60,12 +71,36 @@ class Sizes:
     """What each consumer of one rank holds when present (bytes)."""
 
     weights: int
+    """This rank's parameters in the run's dtype: the replicated ones plus its 1/parallel.expert of
+    the routed experts."""
+    weights_replicated: int
+    """The part of `weights` every rank holds whole (everything but the routed experts)."""
+    weights_routed: int
+    """The part of `weights` that is this rank's share of the routed experts (`experts.w1/w2/w3`)."""
+    expert_parallel: int
+    """parallel.expert: the ranks each MoE layer's routed experts are split over."""
     pool: int
     pool_pages: int
     grad_slots: int
     activation_peak: int
     chunk_activation_peaks: list[int]
     """Per VPP chunk, its saved-tensor peak (activation_peak is their max)."""
+    activation_layer_runs: int
+    """Decoder-layer forwards the activation probe ran (rl/plan/activation.py `probe_activations`)."""
+    chunk_input_stash: int
+    """Device, train phase, forward and backward: the hidden state entering each chunk, kept for every
+    micro-batch of the step between the graph-free forward and the backward (trainer/chunks.py
+    `forward_backward_batches`): distinct chunk inputs x the step's tokens x hidden_size x the
+    hidden states' dtype bytes (a chunk without layers hands its input on: the next chunk's input is
+    the same tensor). At its largest when the backward starts; each chunk's share goes as its
+    backward ends. Not in it: the gradient entering the chunk, one more [tokens, hidden] per
+    micro-batch during the backward walk."""
+    optimizer_gather_peak: int
+    """Device, train phase, optimizer step: the most bytes of ShardedHostAdamW.step's all-gather
+    temporaries alive at once (trainer/optimizer.py): per chunk, the FP32 master shard moved to the
+    device, `world` pieces of it, their concatenation (2 x the padded chunk in FP32), and the
+    per-parameter cast to the parameter's dtype, while the previous chunk's gathered copy is still
+    bound until its name is rebound (`_gather_peak_bytes`)."""
     reference_device: int
     masters: int
     moments: int
@@ -76,6 +111,17 @@ class Sizes:
     host_pool: int
     parked_bound: int
     reference_host: int
+    host_pinned: int
+    """Page-locked host bytes on a CUDA cluster (0 when device_is_host), exact sizes: the host KV pool
+    (rollout/engine.py pins it for a CUDA device) and the streamed reference's host vectors
+    (trainer/ref_stream.py), both already counted in the host tier. torch's pin_memory=True caching
+    host allocator rounds each block up to a power of two; these are the bytes asked for."""
+    startup_host_peak: int
+    """Host bytes of one rank at start-up or resume: its weights in their dtype on the host while a
+    checkpoint loads (models/checkpoint.py `load_weights` reads the rank's tensors, its experts only,
+    before copying them in), plus the optimizer's FP32 master shards (a resume loads the weights with
+    the optimizer built). An upper bound for a fresh start, which moves the weights off the host
+    before the masters exist."""
     spill_files: int
     spill_payload: int
     spill_master_files: int
@@ -87,6 +133,13 @@ class Sizes:
     @property
     def num_train_tokens(self) -> int:
         return sum(sum(b) for b in self.micro_batches)
+
+    @property
+    def train_transient(self) -> int:
+        """The train phase's device bytes above weights, slots, reference and pool at its peak: the
+        activations with the chunk-input stash (forward and backward), or the optimizer's all-gather
+        temporaries (the step, after both are gone), whichever is larger."""
+        return max(self.activation_peak + self.chunk_input_stash, self.optimizer_gather_peak)
 
 
 def run_dtype(cfg: RunConfig) -> torch.dtype:
@@ -110,28 +163,132 @@ def cache_layout(cfg: RunConfig) -> CacheLayout:
                                  hash_block=e.prefix_cache.hash_block if e.prefix_cache else None)
 
 
-def _param_bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+ROUTED_EXPERTS = re.compile(r"\.mlp\.experts\.w[123]$")
+"""Names of the routed experts' stacked parameters [num_experts, ...]: what expert parallelism splits."""
 
 
-def _reference_host_bytes(model: HybridLM, chunked: ChunkedModel) -> int:
-    """trainer/ref_stream.py's host layout: per chunk its parameters back to back, each aligned to its
-    element size; a tied head's embedding is repeated in the last chunk."""
+def is_routed(name: str) -> bool:
+    return ROUTED_EXPERTS.search(name) is not None
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """A model's parameters as one rank of an expert-parallel group holds them: every parameter whole,
+    except the routed experts, of which it holds 1/`expert_parallel` (whole experts)."""
+
+    expert_parallel: int
+
+    def numel(self, name: str, p: torch.Tensor) -> int:
+        return p.numel() // self.expert_parallel if is_routed(name) else p.numel()
+
+    def nbytes(self, named) -> int:
+        return sum(self.numel(n, p) * p.element_size() for n, p in named)
+
+
+def _reference_host_bytes(model: HybridLM, chunked: ChunkedModel, rank: RankParams) -> int:
+    """trainer/ref_stream.py's host layout: per chunk its parameters back to back (this rank's share
+    of the routed experts), each aligned to its element size; a tied head's embedding is repeated in
+    the last chunk."""
     total = 0
     for c, spec in enumerate(chunked.specs):
-        params = [p for _, p in chunked.chunk_parameters(c)]
+        params = chunked.chunk_parameters(c)
         if spec.has_head and model.lm_head is None and not spec.has_embedding:
-            params.append(model.model.embed_tokens.weight)
+            params.append(("model.embed_tokens.weight", model.model.embed_tokens.weight))
         offset = 0
-        for p in params:
-            offset = -(-offset // p.element_size()) * p.element_size() + p.numel() * p.element_size()
+        for name, p in params:
+            offset = -(-offset // p.element_size()) * p.element_size() + rank.numel(name, p) * p.element_size()
         total += offset
     return total
 
 
-def _steps_bytes(cfg: RunConfig, num_chunks: int) -> int:
+@dataclass(frozen=True)
+class ShardGroup:
+    """One flat vector of a chunk's parameters sharded over a group of ranks (trainer/optimizer.py `Bucket`)."""
+
+    name: str
+    """The bucket's name: "chunk{c}", or "chunk{c}.experts" for its routed experts."""
+    numel: int
+    """Elements of the flat vector on this rank before padding."""
+    ranks: int
+    """Ranks it is sharded over (padded to a multiple of them)."""
+    largest_param_bytes: int
+    """Bytes of its largest parameter in the parameter's own dtype (the step's per-parameter cast)."""
+    cast_needed: bool
+    """Whether copying the gathered FP32 vector into the parameters makes a temporary: some parameter
+    is not FP32, or the vector is on the host and the parameters on a GPU."""
+
+    @property
+    def shard(self) -> int:
+        return math.ceil(self.numel / self.ranks)
+
+    @property
+    def padded(self) -> int:
+        return self.shard * self.ranks
+
+
+def shard_groups(chunked: ChunkedModel, world: int, rank: RankParams, device_is_host: bool) -> list[list[ShardGroup]]:
+    """Per VPP chunk, the flat vectors its optimizer shards are cut from (trainer/optimizer.py
+    `ShardedHostAdamW.buckets`). parallel.expert=1: one per chunk over the whole world.
+    parallel.expert=N > 1: the chunk's replicated parameters over the world, its routed experts (this
+    rank's 1/N of them) over the expert-data-parallel group of world / N ranks (the ranks holding the
+    same experts)."""
+    out = []
+    for c in range(len(chunked.specs)):
+        named = chunked.chunk_parameters(c)
+        routed = [(n, p) for n, p in named if is_routed(n)]
+        parts = ([(f"chunk{c}", named, world)] if rank.expert_parallel == 1 or not routed else
+                 [(f"chunk{c}", [(n, p) for n, p in named if not is_routed(n)], world),
+                  (f"chunk{c}.experts", routed, world // rank.expert_parallel)])
+        groups = []
+        for name, params, ranks in parts:
+            if not params:
+                continue
+            on_host = ranks == 1  # no gather: the host master is copied into the parameters
+            groups.append(ShardGroup(
+                name=name, numel=sum(rank.numel(n, p) for n, p in params), ranks=ranks,
+                largest_param_bytes=max(rank.numel(n, p) * p.element_size() for n, p in params),
+                cast_needed=any(p.dtype != torch.float32 for _, p in params) or (on_host and not device_is_host)))
+        out.append(groups)
+    return out
+
+
+def _gather_peak_bytes(groups: list[ShardGroup]) -> int:
+    """ShardedHostAdamW.step's device temporaries, in its order (chunk after chunk, each vector):
+    `mine = master.data.to(device)` (shard), `pieces = [empty_like(mine)] * ranks`, `flat =
+    torch.cat(pieces)` (ranks x shard each), all FP32, then one parameter at a time the gathered slice
+    cast to its dtype. Each name keeps the previous vector's tensor until it is rebound, so a new
+    allocation meets the old one; a vector over one rank is not gathered (`flat` = the host master)."""
+    mine = pieces = flat = peak = 0
+    for g in groups:
+        if g.ranks > 1:
+            new_mine, new_pieces = 4 * g.shard, 4 * g.padded
+            peak = max(peak, mine + pieces + flat + new_mine)
+            mine = new_mine
+            peak = max(peak, mine + pieces + flat + new_pieces)
+            pieces = new_pieces
+            peak = max(peak, mine + pieces + flat + new_pieces)
+            flat = new_pieces
+        else:
+            flat = 0
+        peak = max(peak, mine + pieces + flat + (g.largest_param_bytes if g.cast_needed else 0))
+    return peak
+
+
+def _stash_bytes(cfg: RunConfig, model: HybridLM, chunked: ChunkedModel, micro_batches: list[list[int]]) -> int:
+    """`Sizes.chunk_input_stash`: distinct chunk inputs x the largest optimizer step's tokens x
+    hidden_size x the hidden states' (the embedding's) dtype bytes."""
+    lens = [n for b in micro_batches for n in b]
+    step_tokens = max((sum(lens[i] for i in seqs) for seqs in mini_batch_split(len(lens), cfg.algo.mini_batches)),
+                      default=0)
+    specs = chunked.specs
+    distinct = 1 + sum(1 for c in range(1, len(specs)) if specs[c - 1].layers)
+    hidden = model.model.embed_tokens.weight
+    return distinct * step_tokens * hidden.shape[1] * hidden.element_size()
+
+
+def _steps_bytes(cfg: RunConfig, num_masters: int) -> int:
     # torch's AdamW keeps `step` as a float32 0-dim tensor per master; DeepSpeed's CPU Adam an int.
-    return 4 * num_chunks if cfg.trainer.optimizer.backend == "torch" else 0
+    return 4 * num_masters if cfg.trainer.optimizer.backend == "torch" else 0
 
 
 def moe_grouped_mm(model: HybridLM, cluster: ClusterConfig) -> bool:
@@ -145,6 +302,16 @@ def moe_grouped_mm(model: HybridLM, cluster: ClusterConfig) -> bool:
     return cluster.grouped_mm_bf16 and experts.w1.dtype == torch.bfloat16
 
 
+def expert_parallel_size(cfg: RunConfig, cluster: ClusterConfig) -> int:
+    """cfg.parallel.expert, checked against the planned world (the run config checked the expert
+    count): ValueError naming the value unless it divides the cluster's ranks and the experts."""
+    expert = cfg.parallel.expert
+    if expert < 1 or cluster.world % expert or cfg.model.num_experts % expert:
+        raise ValueError(f"parallel.expert={expert}: expected a divisor of the world size ({cluster.world} ranks on "
+                         f"cluster {cluster.name}) and of the model's expert count ({cfg.model.num_experts})")
+    return expert
+
+
 def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions) -> list[list[int]]:
     """Sequence lengths of this rank's micro-batches: the rank with the most groups (ceil of the
     global groups over the world) trains group_size trajectories per group, each of seq_len - 1
@@ -156,45 +323,57 @@ def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOpt
 
 
 def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions()) -> Sizes:
-    """Every consumer's bytes for one rank of `cluster` running `cfg` (see the module docstring)."""
+    """Every consumer's bytes for one rank of `cluster` running `cfg` (see the module docstring).
+    ValueError when cfg.parallel.expert does not divide the world size and the expert count."""
+    rank = RankParams(expert_parallel_size(cfg, cluster))
     model = meta_policy(cfg)
     world, t = cluster.world, cfg.trainer
     chunked = ChunkedModel(model, t.num_chunks, t.chunk_split)
-    numels = [sum(p.numel() for _, p in chunked.chunk_parameters(c)) for c in range(t.num_chunks)]
-    shards = [math.ceil(n / world) for n in numels]
-    weights = _param_bytes(model.parameters())
+    groups = shard_groups(chunked, world, rank, cluster.device_is_host)
+    shards = [sum(g.shard for g in chunk) for chunk in groups]
+    named = list(model.named_parameters())
+    weights = rank.nbytes(named)
+    routed = rank.nbytes([(n, p) for n, p in named if is_routed(n)])
     layout = cache_layout(cfg)
     e = cfg.engine
     pool_pages = e.pool_bytes // layout.page_bytes
     kl = cfg.algo.loss.kl_coef > 0
-    reference_host = _reference_host_bytes(model, chunked) if kl and cfg.memory.reference == "stream" else 0
+    reference_host = _reference_host_bytes(model, chunked, rank) if kl and cfg.memory.reference == "stream" else 0
+    num_masters = sum(len(chunk) for chunk in groups)
     if e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
         rank_budget = host_budget_bytes(cfg, cluster) // cluster.gpus_per_node
-        host_pages = max(0, rank_budget - reference_host - _steps_bytes(cfg, t.num_chunks)) // layout.page_bytes
+        host_pages = max(0, rank_budget - reference_host - _steps_bytes(cfg, num_masters)) // layout.page_bytes
     else:
         host_pages = e.host_pool_bytes // layout.page_bytes
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
     checksum = NvmeStoreConfig().checksum
     spill_files = spill_payload = spill_master_files = 0
-    for c, shard in enumerate(shards):
-        states = {k: torch.empty(shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
-        manifest = spill_plan(f"train_states.rank0.chunk{c}", states, checksum)
+    for g in (g for chunk in groups for g in chunk):  # one spill group per sharded vector
+        states = {k: torch.empty(g.shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
+        manifest = spill_plan(f"train_states.rank0.{g.name}", states, checksum)
         spill_files += manifest.file_bytes
         spill_payload += manifest.payload_bytes
-        spill_master_files += spill_plan(f"train_states.rank0.chunk{c}", {"master": states["master"]}, checksum).file_bytes
+        spill_master_files += spill_plan(f"train_states.rank0.{g.name}", {"master": states["master"]}, checksum).file_bytes
     batches = train_micro_batches(cfg, cluster, options)
-    chunk_peaks = chunk_activation_peaks(cfg.model, batches, t.num_chunks, run_dtype(cfg),
-                                         grouped_mm=moe_grouped_mm(model, cluster), split=t.chunk_split)
+    probe = probe_activations(cfg.model, batches, t.num_chunks, run_dtype(cfg), grouped_mm=moe_grouped_mm(model, cluster),
+                              split=t.chunk_split)
+    chunk_peaks = probe.chunk_peaks
+    host_pool = host_pages * layout.page_bytes
     return Sizes(
-        weights=weights, pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
-        grad_slots=max(s * world for s in shards) * 4 * t.num_grad_slots,
+        weights=weights, weights_replicated=weights - routed, weights_routed=routed, expert_parallel=rank.expert_parallel,
+        pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
+        grad_slots=max(sum(g.padded for g in chunk) for chunk in groups) * 4 * t.num_grad_slots,
         activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
+        activation_layer_runs=probe.layer_runs, chunk_input_stash=_stash_bytes(cfg, model, chunked, batches),
+        optimizer_gather_peak=_gather_peak_bytes([g for chunk in groups for g in chunk]),
         reference_device=weights if kl and cfg.memory.reference == "resident" else 0,
-        masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, t.num_chunks),
-        grads=4 * sum(shards), host_pool=host_pages * layout.page_bytes,
+        masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, num_masters),
+        grads=4 * sum(shards), host_pool=host_pool,
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=reference_host,
+        host_pinned=0 if cluster.device_is_host else host_pool + reference_host,
+        startup_host_peak=weights + 4 * sum(shards),
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
         spill_master_files=spill_master_files if cfg.memory.spill_dir is not None else 0,
         layout=layout, micro_batches=batches)
