@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return {}
     torch.set_num_threads(1)
     from models.model import HybridLM
-    from trainer.step import expert_parameters
+    from trainer.shards import expert_parameters
 
     whole_model = HybridLM(model_config(MODEL)).init_weights(seed=1)
     expert_bytes = sum(p.numel() * p.element_size() for p, _ in expert_parameters(whole_model).values())

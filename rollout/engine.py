@@ -33,6 +33,7 @@ from models.model import HybridLM
 from rollout.cache_manager import CacheManager
 from rollout.engine_config import EngineConfig
 from rollout.kv_eviction import KVEvictor
+from rollout.lockstep import Lockstep
 from rollout.host_tier import HostTier
 from rollout.model_runner import ModelRunner, sampling_indices
 from rollout.page_copies import PageCopies
@@ -110,6 +111,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
+        self.lockstep = Lockstep(model)  # expert parallelism: every step is the expert-parallel group's
         longest = config.longest_kv_tokens
         max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
         if max_pages > self.pool.num_pages:
@@ -244,10 +246,7 @@ class Engine:
             raise RuntimeError("engine is asleep: call wake() before step()")
         scheduled = self._schedule()
         finished: list[RequestOutput] = []
-        if self.expert_parallel is not None:  # the group agrees on who runs this step (lock-step)
-            busy, _ = self.expert_parallel.round(bool(scheduled.seqs), self.has_unfinished)
-            if busy and not scheduled.seqs:
-                self._join_peers()
+        self.lockstep.before_step(bool(scheduled.seqs), self.has_unfinished)  # expert parallelism: the group's step
         if scheduled.seqs:
             plan = self._prepare(scheduled)
             logits, settings = self._run(scheduled, plan)
@@ -261,43 +260,19 @@ class Engine:
             del self.requests[out.request_id]
         return finished
 
-    # ---- expert parallelism: every rank of the group runs every step's MoE exchanges ---------------
+    # ---- expert parallelism: each step is the group's (rollout/lockstep.py) -------------------------
     @property
     def expert_parallel(self):
-        """The model's expert-parallel group (models/expert_parallel.py), None when it holds every
-        expert. Then each rank decodes its own sequences (data-parallel attention), and every step
-        is a step of the whole group: `step` agrees with the peers (`ExpertParallel.round`) and a
-        rank without work joins their exchanges with no tokens; `idle_step` is that for a rank
-        waiting on something else (tool calls); `drain` ends a rank's generation once all are done."""
+        """The model's expert-parallel group (None: it holds every expert)."""
         return self.model.expert_parallel
 
-    @torch.inference_mode()
-    def _join_peers(self) -> None:
-        self.model.join_experts()
-
     def idle_step(self, unfinished: bool = True) -> bool:
-        """A step without sequences of its own (a rank waiting on tool calls, `unfinished`): joins
-        the peers' step when one runs. Returns whether one did (False at once without expert parallelism)."""
-        if self.expert_parallel is None:
-            return False
-        busy, _ = self.expert_parallel.round(False, unfinished)
-        if busy:
-            self._join_peers()
-        return busy
+        """Join the peers' step while this rank waits on something else (`Lockstep.idle_step`)."""
+        return self.lockstep.idle_step(unfinished)
 
     def drain(self) -> int:
-        """This rank's generation is over: join the peers' steps until none has work left (once per
-        generation, on every rank of the group; no-op without expert parallelism). Returns the steps joined."""
-        joined = 0
-        if self.expert_parallel is None:
-            return joined
-        while True:
-            busy, unfinished = self.expert_parallel.round(False, False)
-            if busy:
-                self._join_peers()
-                joined += 1
-            if not unfinished:
-                return joined
+        """This rank's generation is over: join the peers' steps until none has work (`Lockstep.drain`)."""
+        return self.lockstep.drain()
 
     def _schedule(self) -> ScheduledStep:
         """Pick the step's sequences and chunks; the cache runs the copies they wait on."""

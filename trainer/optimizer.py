@@ -1,22 +1,17 @@
 """AdamW on FP32 master shards in host memory (ZeRO-2 style, with optimizer offload).
 
-Each VPP chunk's parameters are viewed as one flat vector (model order), padded to a multiple of
-the data-parallel world size; rank r owns the r-th equal slice. This rank keeps, on the host,
-only its slices: FP32 master weights and AdamW moments. A step updates the slices and all-gathers
-them back into the model's parameters. The update is torch's AdamW applied elementwise, so it
-equals AdamW on the whole model (given the same summed gradients, and zeros, not None, for
-parameters no token reached: AdamW skips None gradients but still decays zero ones).
-
-Backends: DeepSpeed's CPU Adam (a JIT-built C++ op, ~1 min to build the first time, cached in
-TORCH_EXTENSIONS_DIR; matches torch AdamW to ~1e-7) or torch.optim.AdamW. "auto" takes DeepSpeed's
-when it builds and otherwise says loudly that it falls back to torch.
-
+Each VPP chunk's parameters are one flat vector (model order; under expert parallelism its experts
+a second one, sharded over the expert-data-parallel group: trainer/shards.py `Bucket`), padded to a
+multiple of its group's size; rank r owns the r-th slice and keeps on the host only its slices'
+FP32 masters and AdamW moments. A step updates them and all-gathers them into the parameters:
+AdamW elementwise, so AdamW on the whole model (given zeros, not None, for unreached parameters).
+Backends: DeepSpeed's CPU Adam (JIT-built once, cached in TORCH_EXTENSIONS_DIR; ~1e-7 from torch's)
+or torch.optim.AdamW; "auto" takes DeepSpeed's when it builds, else says it falls back to torch.
 The lr follows `OptimizerConfig.lr_schedule` (trainer/lr_schedule.py: warm-up, then constant,
 linear or cosine decay); its position is part of the optimizer's state, so a resume continues it.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +24,7 @@ from torch import nn
 from kernels.jit import announce_build
 from memory.nvme_store import NvmeStore
 from memory.pinned import pinned_empty
+from trainer.shards import Bucket, reshard
 from trainer.lr_schedule import LR_SCHEDULES, lr_factor
 
 
@@ -102,30 +98,6 @@ def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple
             warnings.warn(f"trainer: DeepSpeed CPU Adam unavailable ({type(err).__name__}: {err}); "
                           f"falling back to torch.optim.AdamW on the host shards", stacklevel=3)
     return torch.optim.AdamW(params, foreach=False, **kwargs), "torch"
-
-
-class Bucket:
-    """Parameters sharded as one flat FP32 vector (model order, padded to a multiple of the
-    group's size) over `group`: this rank owns elements [rank * shard_numel, (rank + 1) * shard_numel)."""
-
-    def __init__(self, chunk: int, name: str, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-        self.chunk, self.name, self.params, self.group = chunk, name, params, group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.numel = sum(p.numel() for p in params)
-        self.shard_numel = math.ceil(self.numel / self.world)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world
-
-
-def _saved_step(states: list[dict], steps: set[int]):
-    """The Adam step counter to install: the saved one (every rank's agrees), in the saved type."""
-    if len(steps) != 1:
-        raise ValueError(f"optimizer states disagree on the step count: {sorted(steps)}")
-    value = next(v["step"] for st in states for v in st["adam"]["state"].values())
-    return value.clone() if torch.is_tensor(value) else value
 
 
 class ShardedHostAdamW:
@@ -462,49 +434,17 @@ class ShardedHostAdamW:
     def load_resharded(self, states: list[dict]) -> None:
         """Load the `state_dict`s of every rank of a run sharded otherwise (another expert-parallel
         size): each element is found by its piece key in the saved layouts, so masters and moments
-        are the saved ones exactly, whatever the sharding. Needs `pieces` here and a layout in every
-        state (ValueError naming what is missing)."""
+        are the saved ones exactly, whatever the sharding (trainer/shards.py `reshard`). Needs
+        `pieces` here and a layout in every state (ValueError naming what is missing)."""
         if self._pieces is None or any("layout" not in st for st in states):
             raise ValueError("optimizer states without a piece layout cannot be loaded into another sharding")
-        wanted = {key: numel for b in self.buckets for p in b.params for key, numel in self._pieces[id(p)]}
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        seen: dict[str, int] = {}
-        kinds = ("master", "exp_avg", "exp_avg_sq")
-        for st in states:
-            adam_state = st["adam"]["state"]
-            for b, meta in enumerate(st["layout"]):
-                vectors = {"master": st["masters"][b], **{k: v for k, v in adam_state.get(b, {}).items() if k in kinds}}
-                lo, hi = meta["rank"] * meta["shard"], (meta["rank"] + 1) * meta["shard"]
-                offset = 0
-                for key, numel in meta["pieces"]:
-                    start, end = max(offset, lo), min(offset + numel, hi)
-                    if key in wanted and start < end:
-                        slots = full.setdefault(key, {})
-                        for kind, vec in vectors.items():
-                            slots.setdefault(kind, torch.zeros(numel))[start - offset:end - offset] = vec[start - lo:end - lo]
-                        seen[key] = seen.get(key, 0) + end - start
-                    offset += numel
-        short = [key for key, numel in wanted.items() if seen.get(key, 0) != numel]
-        if short:
-            raise ValueError(f"optimizer states of {len(states)} ranks do not cover {len(short)} pieces of this "
-                             f"rank's parameters, e.g. {short[:3]}")
+        masters, adam_state, schedule_step = reshard(states, self.buckets, self._pieces)
         self.discard_spill()
-        steps = {int(v["step"]) for st in states for v in st["adam"]["state"].values()}
-        new_state = {}
-        for b, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
-            lo, hi = bucket.rank * bucket.shard_numel, (bucket.rank + 1) * bucket.shard_numel
-
-            def mine(kind: str) -> torch.Tensor:
-                flat = torch.cat([full[key][kind] for p in bucket.params for key, _ in self._pieces[id(p)]])
-                return torch.cat([flat, flat.new_zeros(bucket.padded_numel - flat.numel())])[lo:hi].clone()
-
-            master.copy_(mine("master"))
-            if steps:
-                new_state[b] = {"step": _saved_step(states, steps), "exp_avg": mine("exp_avg"),
-                                "exp_avg_sq": mine("exp_avg_sq")}
+        for master, saved in zip(self.masters, masters):
+            master.copy_(saved)
         group = {**states[0]["adam"]["param_groups"][0], "params": list(range(len(self.masters)))}
-        self.adam.load_state_dict({"state": new_state, "param_groups": [group]})
-        self.schedule_step = int(states[0].get("schedule_step", max(steps, default=0)))
+        self.adam.load_state_dict({"state": adam_state, "param_groups": [group]})
+        self.schedule_step = schedule_step
         if self.backend == "deepspeed":
             self._replay_deepspeed_steps()
 

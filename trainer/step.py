@@ -30,7 +30,6 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,66 +40,13 @@ from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from models.checkpoint import load_weights as load_weights_into
 from models.checkpoint import save_checkpoint, save_expert_shard
-from models.mlp import Experts
 from models.model import HybridLM
 from models.precision import dtype_name
 from trainer.activation_meter import SavedTensorMeter
-from trainer.chunks import CHUNK_SPLITS, ChunkedModel, MicroBatch
-from trainer.optimizer import OptimizerConfig, ShardedHostAdamW
-
-
-def micro_batches(seq_lens: Sequence[int], budget: int | None) -> list[list[int]]:
-    """Sequence indices per micro-batch: packed greedily in order under `budget` tokens; a sequence
-    longer than the budget runs alone. None = everything in one micro-batch."""
-    if budget is None:
-        return [list(range(len(seq_lens)))]
-    if budget < 1:
-        raise ValueError(f"micro_batch_tokens={budget}, expected >= 1 or None")
-    plan, current, used = [], [], 0
-    for i, n in enumerate(seq_lens):
-        if current and used + n > budget:
-            plan.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    plan.append(current)
-    return plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    num_chunks: int = 4
-    """VPP chunks the model is split into (at most its layers; layers + 2 with chunk_split="params")."""
-    chunk_split: str = "layers"
-    """How (trainer/chunks.py CHUNK_SPLITS): "layers" (equal layer counts) or "params" (smallest
-    largest chunk, the embedding and the head as units of their own, so the smallest gradient slots)."""
-    num_grad_slots: int = 2
-    """FP32 gradient buffers resident at once."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Host AdamW settings."""
-    max_bad_steps: int = 3
-    """Consecutive steps with a non-finite loss or gradient norm that are skipped before training
-    stops with an error."""
-    max_grad_norm: float | None = None
-    """Clip the global gradient norm (FP32, over every rank's shards) to this, torch's
-    `clip_grad_norm_` rule; None = no clipping (a non-finite norm still skips the step)."""
-    micro_batch_tokens: int | None = None
-    """Token budget of one micro-batch (`micro_batches`): what the RL loop passes to every
-    `train_step(..., micro_batch_tokens)`; None = the whole batch at once."""
-
-    def __post_init__(self) -> None:
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm}, expected > 0 or None (no clipping)")
-        if self.num_chunks < 1:
-            raise ValueError(f"num_chunks={self.num_chunks}, expected >= 1")
-        if self.chunk_split not in CHUNK_SPLITS:
-            raise ValueError(f"chunk_split={self.chunk_split!r}, expected one of {CHUNK_SPLITS}")
-        if self.num_grad_slots < 1:
-            raise ValueError(f"num_grad_slots={self.num_grad_slots}, expected >= 1")
-        if self.max_bad_steps < 0:
-            raise ValueError(f"max_bad_steps={self.max_bad_steps}, expected >= 0")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens}, expected >= 1 or None (whole batch)")
+from trainer.chunks import ChunkedModel, MicroBatch
+from trainer.optimizer import ShardedHostAdamW
+from trainer.shards import expert_parameters, pieces_of
+from trainer.step_config import TrainerConfig, micro_batches
 
 
 LEDGER_CONSUMER = "train_states"
@@ -115,20 +61,6 @@ def _accumulate_main_grad(param: torch.Tensor) -> None:
                            f"step (no FP32 main_grad slot bound)")
     main.add_(param.grad)
     param.grad = None
-
-
-def expert_parameters(model: HybridLM) -> dict[int, tuple[torch.nn.Parameter, int]]:
-    """id -> (parameter, first global expert) of every stacked routed-expert tensor of `model`."""
-    return {id(p): (p, module.first) for module in model.modules() if isinstance(module, Experts)
-            for p in (module.w1, module.w2, module.w3)}
-
-
-def _pieces(name: str, param: torch.Tensor, first: int | None) -> list[tuple[str, int]]:
-    """A parameter's (key, numel) pieces in flat order: one per expert of a stacked expert tensor
-    (keyed by its global index, so any expert-parallel size finds it), else the parameter itself."""
-    if first is None:
-        return [(name, param.numel())]
-    return [(f"{name}.{first + e}", param[0].numel()) for e in range(param.shape[0])]
 
 
 class Trainer:
@@ -172,7 +104,7 @@ class Trainer:
             self.chunk_params, config.optimizer, group, total_steps=total_steps,
             expert_params=[p for p, _ in experts.values()] if self.expert_parallel is not None else (),
             expert_group=expert_group if self.expert_parallel is not None else None,
-            pieces={id(p): _pieces(name, p, experts.get(id(p), (p, None))[1]) for chunk in named for name, p in chunk})
+            pieces={id(p): pieces_of(name, p, experts.get(id(p), (p, None))[1]) for chunk in named for name, p in chunk})
         device = next(model.parameters()).device
         slot_numel = max(self.optimizer.padded_numel(c) for c in range(config.num_chunks))
         self.arena = GradArena(slot_numel, config.num_grad_slots, device)
