@@ -114,7 +114,7 @@ def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pla
     else:
         device_cap = int(cluster.gpu_memory_gib * GIB)
         verdicts = [verdict("device", lambda p: device_need(sizes, p), device_cap),
-                    verdict("host", lambda p: ranks * p.memory["host_total"], host_cap)]
+                    verdict("host", lambda p: ranks * (p.memory["host_total"] + sizes.grad_staging), host_cap)]
     verdicts.append(verdict("disk", lambda p: ranks * p.memory["disk_total"], int(cluster.nvme_gib * GIB)))
     verdicts.append(Verdict("startup", ranks * sizes.startup_host_peak, host_cap, "start"))
     longest = cfg.engine.longest_kv_tokens  # a KV budget caps what one sequence holds
@@ -220,8 +220,10 @@ def render(plan: Plan, console: Console) -> None:
                   f"optimizer all-gather temporaries (device, optimizer step): {fmt_bytes(sizes.optimizer_gather_peak)}")
     console.print(f"train phase device peak (per GPU): {fmt_bytes(device_need(sizes, train))} (the table's train total "
                   f"less the activation peak, plus the larger of activations + stash and the all-gather temporaries)")
-    console.print(f"host pinned (per rank, inside the host total): {fmt_bytes(sizes.host_pinned)} (host KV pool + "
-                  f"streamed reference, exact sizes)")
+    locked = (f"; torch's caching host allocator locks {fmt_bytes(sizes.host_pool_locked)} for the host KV pool's "
+              f"{fmt_bytes(sizes.host_pool)}" if sizes.host_pool_locked > sizes.host_pool else "")
+    console.print(f"host pinned (per rank): {fmt_bytes(sizes.host_pinned)} (host KV pool + streamed reference + "
+                  f"gradient staging {fmt_bytes(sizes.grad_staging)}, exact sizes){locked}")
     console.print(f"host at start-up (per rank): {fmt_bytes(sizes.startup_host_peak)} (this rank's weights in "
                   f"{cfg.experiment.dtype} while loading + its FP32 master shards)")
     layout = sizes.layout

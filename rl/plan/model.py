@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from memory.layout import CacheLayout
+from memory.pinned import pinned_bytes_rounded
 from memory.nvme_store import NvmeStoreConfig
 from memory.spill_format import spill_layout as spill_plan
 from models.mlp import Experts, grouped_mm_usable
@@ -100,7 +101,7 @@ class Sizes:
     temporaries alive at once (trainer/optimizer.py): per chunk, the FP32 master shard moved to the
     device, `world` pieces of it, their concatenation (2 x the padded chunk in FP32), and the
     per-parameter cast to the parameter's dtype, while the previous chunk's gathered copy is still
-    bound until its name is rebound (`_gather_peak_bytes`)."""
+    bound until its name is rebound (`gather_peak_bytes`)."""
     reference_device: int
     masters: int
     moments: int
@@ -111,11 +112,17 @@ class Sizes:
     host_pool: int
     parked_bound: int
     reference_host: int
+    grad_staging: int
+    """Host, on a CUDA cluster (0 when device_is_host): the optimizer's page-locked FP32 buffer per
+    bucket, one gradient shard each, that the reduced shards are copied into without a host sync
+    (trainer/optimizer.py `_copy_async`); made at the first step and kept. Not among the logged
+    host keys: the host verdict adds it to every phase."""
     host_pinned: int
     """Page-locked host bytes on a CUDA cluster (0 when device_is_host), exact sizes: the host KV pool
-    (rollout/engine.py pins it for a CUDA device) and the streamed reference's host vectors
-    (trainer/ref_stream.py), both already counted in the host tier. torch's pin_memory=True caching
-    host allocator rounds each block up to a power of two; these are the bytes asked for."""
+    (rollout/engine.py pins it for a CUDA device), the streamed reference's host vectors
+    (trainer/ref_stream.py) and `grad_staging`. The reference and the staging buffers are locked at
+    their exact size (memory/pinned.py); the host KV pool still goes through torch's pin_memory=True
+    caching host allocator, which locks the next power of two (`host_pool_locked`)."""
     startup_host_peak: int
     """Host bytes of one rank at start-up or resume: its weights in their dtype on the host while a
     checkpoint loads (models/checkpoint.py `load_weights` reads the rank's tensors, its experts only,
@@ -133,6 +140,12 @@ class Sizes:
     @property
     def num_train_tokens(self) -> int:
         return sum(sum(b) for b in self.micro_batches)
+
+    @property
+    def host_pool_locked(self) -> int:
+        """What torch's caching host allocator locks for the host KV pool's one pinned block on a
+        CUDA cluster (memory/pinned.py `pinned_bytes_rounded`; 0 when nothing is pinned)."""
+        return pinned_bytes_rounded(self.host_pool) if self.host_pinned else 0
 
     @property
     def train_transient(self) -> int:
@@ -252,7 +265,7 @@ def shard_groups(chunked: ChunkedModel, world: int, rank: RankParams, device_is_
     return out
 
 
-def _gather_peak_bytes(groups: list[ShardGroup]) -> int:
+def gather_peak_bytes(groups: list[ShardGroup]) -> int:
     """ShardedHostAdamW.step's device temporaries, in its order (chunk after chunk, each vector):
     `mine = master.data.to(device)` (shard), `pieces = [empty_like(mine)] * ranks`, `flat =
     torch.cat(pieces)` (ranks x shard each), all FP32, then one parameter at a time the gathered slice
@@ -274,16 +287,20 @@ def _gather_peak_bytes(groups: list[ShardGroup]) -> int:
     return peak
 
 
-def _stash_bytes(cfg: RunConfig, model: HybridLM, chunked: ChunkedModel, micro_batches: list[list[int]]) -> int:
-    """`Sizes.chunk_input_stash`: distinct chunk inputs x the largest optimizer step's tokens x
-    hidden_size x the hidden states' (the embedding's) dtype bytes."""
+def step_tokens(cfg: RunConfig, micro_batches: list[list[int]]) -> int:
+    """Tokens of the largest optimizer step among this rank's sequences (algo.mini_batches splits
+    them into consecutive runs, rl/run/update.py `mini_batch_split`)."""
     lens = [n for b in micro_batches for n in b]
-    step_tokens = max((sum(lens[i] for i in seqs) for seqs in mini_batch_split(len(lens), cfg.algo.mini_batches)),
-                      default=0)
+    return max((sum(lens[i] for i in seqs) for seqs in mini_batch_split(len(lens), cfg.algo.mini_batches)), default=0)
+
+
+def chunk_input_stash_bytes(chunked: ChunkedModel, num_tokens: int) -> int:
+    """`Sizes.chunk_input_stash` of a step of `num_tokens` tokens: distinct chunk inputs x tokens x
+    hidden_size x the hidden states' (the embedding's) dtype bytes."""
     specs = chunked.specs
     distinct = 1 + sum(1 for c in range(1, len(specs)) if specs[c - 1].layers)
-    hidden = model.model.embed_tokens.weight
-    return distinct * step_tokens * hidden.shape[1] * hidden.element_size()
+    hidden = chunked.model.model.embed_tokens.weight
+    return distinct * num_tokens * hidden.shape[1] * hidden.element_size()
 
 
 def _steps_bytes(cfg: RunConfig, num_masters: int) -> int:
@@ -360,19 +377,21 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
                               split=t.chunk_split)
     chunk_peaks = probe.chunk_peaks
     host_pool = host_pages * layout.page_bytes
+    grad_staging = 0 if cluster.device_is_host else 4 * sum(shards)
     return Sizes(
         weights=weights, weights_replicated=weights - routed, weights_routed=routed, expert_parallel=rank.expert_parallel,
         pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
         grad_slots=max(sum(g.padded for g in chunk) for chunk in groups) * 4 * t.num_grad_slots,
         activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
-        activation_layer_runs=probe.layer_runs, chunk_input_stash=_stash_bytes(cfg, model, chunked, batches),
-        optimizer_gather_peak=_gather_peak_bytes([g for chunk in groups for g in chunk]),
+        activation_layer_runs=probe.layer_runs,
+        chunk_input_stash=chunk_input_stash_bytes(chunked, step_tokens(cfg, batches)),
+        optimizer_gather_peak=gather_peak_bytes([g for chunk in groups for g in chunk]),
         reference_device=weights if kl and cfg.memory.reference == "resident" else 0,
         masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, num_masters),
         grads=4 * sum(shards), host_pool=host_pool,
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=reference_host,
-        host_pinned=0 if cluster.device_is_host else host_pool + reference_host,
+        grad_staging=grad_staging, host_pinned=0 if cluster.device_is_host else host_pool + reference_host + grad_staging,
         startup_host_peak=weights + 4 * sum(shards),
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
         spill_master_files=spill_master_files if cfg.memory.spill_dir is not None else 0,

@@ -7,24 +7,26 @@ device) within 5% (the probe's loss is a plain sum, the run's the GRPO loss: a f
 import dataclasses
 import io
 import json
+from unittest import mock
 
 import pytest
 import torch
 from rich.console import Console
 
 from models.config import load_model_config
+from models.expert_parallel import ExpertParallel
 from models.model import HybridLM
 from models.precision import cast_parameters
 from models.tokenizer import load_tokenizer
-from rl.plan.cli import main, make_plan, phase_records
+from rl.plan.cli import compose_plan_inputs, main, make_plan, phase_records, plan_summary, world_size
 from rl.plan.activation import SavedTensorMeter, activation_peak_bytes
-from rl.plan.cluster import ClusterConfig, PlanOptions
-from rl.plan.model import moe_grouped_mm
+from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
+from rl.plan.model import ShardGroup, chunk_input_stash_bytes, gather_peak_bytes, moe_grouped_mm, plan_sizes
 from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import CONFIGS, composed
 from tests.rl.test_train_run import SMALL, records
-from trainer.chunks import ChunkedModel
+from trainer.chunks import ChunkedModel, MicroBatch
 from trainer.step import micro_batches
 
 CPU = ClusterConfig()  # configs/cluster/cpu.yaml's shape: one rank
@@ -192,3 +194,122 @@ def test_phase_records_are_what_the_memory_plot_reads(tmp_path):
     json.dumps(recs)  # the phases.jsonl format: plain numbers
     plot_memory(recs, tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+# ---- expert parallelism and the figures beside the logged keys ------------------------------------------
+def plan_of(argv: list[str]):
+    return make_plan(*compose_plan_inputs(argv))
+
+
+def test_expert_parallelism_splits_the_routed_experts_only():
+    """parallel.expert=8: a rank holds every replicated parameter and 1/8 of the routed experts,
+    byte for byte what the expert-parallel model itself holds (models/expert_parallel.py); the host
+    shards stay ~1/world of everything (experts sharded over world / 8 ranks, 1/8 of them each)."""
+    one, eight = (plan_of([*SIZE_48B, "experiment.dtype=bf16", "engine.pool_mb=4096", f"parallel.expert={n}"]).sizes
+                  for n in (1, 8))
+    with torch.device("meta"):
+        rank = cast_parameters(HybridLM(one_config(), ExpertParallel(group=None, rank=3, size=8)), torch.bfloat16)
+    assert eight.weights == sum(p.numel() * p.element_size() for p in rank.parameters())
+    assert eight.weights == one.weights_replicated + one.weights_routed // 8 and one.weights_routed == 8 * eight.weights_routed
+    assert eight.weights < 16 * GIB < 91 * GIB < one.weights
+    assert eight.grad_slots < one.grad_slots
+    assert abs(eight.masters - one.masters) <= 4 * 8 * 2 * 27  # padding only: each bucket pads to its ranks
+    assert eight.startup_host_peak == eight.weights + eight.masters
+
+
+def one_config():
+    return load_model_config(f"{CONFIGS}/model/kimi_linear_48b_a3b.yaml")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cluster=h200x8", "parallel.expert=3"], "parallel.expert=3"),
+    (["cluster=h200x8", "parallel.expert=16"], "parallel.expert=16"),
+    (["cluster=cpu", "parallel.expert=2"], "parallel.expert=2"),
+    (["cluster=h200x8", "parallel.expert=0"], "parallel.expert=0")])
+def test_a_bad_expert_parallel_size_is_refused_naming_it(argv, message):
+    """It must divide the planned world (8 ranks on h200x8, 1 on cpu) and the expert count."""
+    status, text = printed([*argv, "engine.pool_mb=64"])
+    assert status == 2 and "bad config" in text and message in text and "expected" in text
+
+
+def test_plan_sizes_checks_the_expert_parallel_size_against_the_cluster():
+    with world_size(8):
+        cfg = composed("parallel.expert=8", "model.num_experts=8")
+    with pytest.raises(ValueError, match=r"parallel.expert=8: expected a divisor of the world size \(1 ranks"):
+        plan_sizes(cfg, CPU)
+
+
+def test_the_optimizer_gather_temporaries_follow_the_step_order():
+    """ShardedHostAdamW.step per bucket: the shard on the device, world pieces, their concatenation,
+    with the previous bucket's tensors bound until their names are rebound; a one-rank bucket is not
+    gathered, only cast parameter by parameter."""
+    s, w = 1000, 8
+    bucket = ShardGroup(name="chunk0", numel=s * w, ranks=w, largest_param_bytes=100, cast_needed=False)
+    assert gather_peak_bytes([bucket]) == 4 * (s + 2 * w * s)
+    assert gather_peak_bytes([bucket, bucket]) == 4 * (s + 3 * w * s)  # old pieces and flat meet new ones
+    cast = dataclasses.replace(bucket, cast_needed=True)
+    assert gather_peak_bytes([cast]) == 4 * (s + 2 * w * s) + 100
+    alone = ShardGroup(name="chunk0.experts", numel=s, ranks=1, largest_param_bytes=10**6, cast_needed=True)
+    # after it the gathered `flat` is rebound to the host master; `mine` and `pieces` stay bound
+    assert gather_peak_bytes([alone]) == 10**6 and gather_peak_bytes([bucket, alone]) == 4 * (s + w * s) + 10**6
+
+
+def test_the_chunk_input_stash_is_what_the_trainer_keeps():
+    """The chunk inputs `forward_backward_batches` holds between the graph-free forward and the
+    backward, read off the trainer's own staging (distinct storages: a chunk without layers hands its
+    input on), equal the planned bytes; an embedding-only first chunk shares its output."""
+    config = load_model_config(f"{CONFIGS}/model/tiny.yaml")
+    model = cast_parameters(HybridLM(config).init_weights(seed=0, std=0.1), torch.bfloat16)
+    lens = [[9, 4], [6]]
+    for chunks, split in ((3, "layers"), (10, "params")):
+        chunked = ChunkedModel(model, chunks, split)
+        kept: list[torch.Tensor] = []
+        staged = ChunkedModel._staged_forward
+
+        def spy(self, batch):
+            inputs, mixer = staged(self, batch)
+            kept.extend(inputs)
+            return inputs, mixer
+
+        tokens = torch.randint(0, 256, (sum(map(sum, lens)),), generator=torch.Generator().manual_seed(0))
+        batches, start = [], 0
+        for b in lens:
+            ids = tokens[start:start + sum(b)]
+            batches.append(MicroBatch(ids, b, torch.roll(ids, -1), lambda lp: -lp.sum()))
+            start += sum(b)
+        with mock.patch.object(ChunkedModel, "_staged_forward", spy):
+            chunked.forward_backward_batches(batches)
+        held = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in kept}
+        assert sum(held.values()) == chunk_input_stash_bytes(chunked, sum(map(sum, lens))), (chunks, split)
+
+
+def test_pinned_and_start_up_host_bytes():
+    """On a CUDA cluster the host KV pool, the streamed reference's vectors and the optimizer's
+    gradient staging buffers (one FP32 shard per bucket) are page-locked, at their exact sizes; on
+    the CPU nothing is; the start-up peak is the rank's weights plus its master shards."""
+    gpu = plan_of([*SIZE_48B, "experiment.dtype=bf16", "engine.pool_mb=4096", "engine.host_pool_mb=1000",
+                   "parallel.expert=8"]).sizes
+    assert gpu.host_pool > 0 and gpu.reference_host > 0
+    assert gpu.grad_staging == gpu.masters
+    assert gpu.host_pinned == gpu.host_pool + gpu.reference_host + gpu.grad_staging
+    assert gpu.host_pool_locked >= gpu.host_pool and gpu.host_pool_locked & (gpu.host_pool_locked - 1) == 0
+    cpu = make_plan(composed(), ClusterConfig(device_is_host=True)).sizes
+    assert cpu.host_pinned == cpu.grad_staging == 0 and cpu.startup_host_peak == cpu.weights + cpu.masters
+
+
+@pytest.mark.parametrize("cluster", ["h200x8", "h200x8x2"])
+def test_the_48b_at_expert_parallel_8_fits_its_targets(cluster):
+    """docs/plan-48b.md's headline: weights <= 16 GiB per GPU, a KV pool of >= 90 GiB, and the
+    train phase (activations + stash, or the optimizer's gathers) inside the GPU."""
+    summary = plan_summary("kimi_linear_48b_a3b", cluster, expert=8)
+    assert summary["fits"] and summary["gpu_weights_gib"] <= 16 and summary["largest_pool_gib"] >= 90
+    assert summary["train_device_gib"] < 139 and summary["seconds"] > 0
+
+
+def test_the_command_line_prints_the_new_figures_and_its_time():
+    status, text = printed([*SIZE_48B, "experiment.dtype=bf16", "engine.pool_mb=4096", "parallel.expert=8"])
+    assert status == 0, text
+    for line in ("parallel.expert=8", "chunk-input stash", "optimizer all-gather temporaries",
+                 "train phase device peak", "host pinned", "host at start-up", "startup (host per node",
+                 "planned in"):
+        assert line in text, line
