@@ -4,17 +4,23 @@ What "activation peak" means here (the same quantity on both sides): the most by
 that autograd saves for backward that are alive at once during the step, each storage counted
 once, the model's own parameters and buffers not counted (they are the weights; matmuls save
 them, or views of them, for backward) (`SavedTensorMeter`: a saved-tensor pack hook records a
-storage the first time it is saved, `weakref.finalize` forgets it when the storage is freed). The trainer recomputes one VPP chunk at
-a time (trainer/chunks.py), so this is about one chunk's graph for the largest micro-batch. Not
-in it: the chunk-boundary hidden states kept by the no-grad forward ([N, D] per chunk), gradients
+storage the first time it is saved, `weakref.finalize` forgets it when the storage is freed). The
+trainer recomputes one VPP chunk at a time (trainer/chunks.py), so this is about one chunk's graph
+for the largest micro-batch. Not in it: the chunk-boundary hidden states kept by the no-grad
+forward ([N, D] per chunk: rl/plan/model.py `Sizes.chunk_input_stash`), gradients
 of activations in flight during backward, and op temporaries (the [chunk_len, vocab] logits of
 the head are recomputed inside a checkpoint, so they are temporaries too). On CUDA the run also
 records `torch.cuda.max_memory_allocated` deltas, which include all of those.
 
-The prediction (`activation_peak_bytes`) runs the trainer's own `ChunkedModel.forward_backward`
-on a `HybridLM` built on the meta device (no storage: the 48B shape costs nothing) under the same
-meter, so every layer's saved tensors come from the code that will run, not from a formula.
-Meta tensors carry no values, and a few ops need some: token positions (`repeat_interleave`),
+The prediction (`probe_activations`) runs the trainer's own layers on a `HybridLM` built on the
+meta device (no storage: the 48B shape costs nothing) under the same meter, so every layer's saved
+tensors come from the code that will run, not from a formula. Two methods give the same figure
+(METHODS): "full" runs `ChunkedModel.forward_backward` for every distinct micro-batch, the
+reference; "compose" (the default) meters one forward of each distinct layer kind (mixer, MLP,
+input dtype) plus the embedding and the head, and composes every chunk from them
+(`_composed_peaks` says why that is exact): three layer forwards for the 48B instead of 53 forwards
+and 27 backwards, each of whose KDA layers loops over 128 checkpointed 64-token segments at 8k
+tokens (seconds instead of minutes). Meta tensors carry no values, and a few ops need some: token positions (`repeat_interleave`),
 expert batches of a routed MoE (`unique`, `where`), `.tolist()`. `_IndexShadow` keeps a real CPU
 copy of every tensor computed only from known values (python lists, other shadowed tensors: the
 small integer index tensors) and runs those ops on the copies. Router top-k indices have no
