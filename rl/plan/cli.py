@@ -206,8 +206,7 @@ def render(plan: Plan, console: Console) -> None:
             console.print(f"[red]{v.tier} ({scope}): does not fit[/red]: {fmt_bytes(v.need_bytes)} in {v.phase}, "
                           f"{fmt_bytes(v.capacity_bytes)} available ({fmt_bytes(v.need_bytes - v.capacity_bytes)} short)")
     peaks = sizes.chunk_activation_peaks
-    top = max(range(len(peaks)), key=peaks.__getitem__)
-    spec = chunk_specs(meta_policy(cfg), cfg.trainer.num_chunks, cfg.trainer.chunk_split)[top]
+    spec = chunk_specs(meta_policy(cfg), cfg.trainer.num_chunks, cfg.trainer.chunk_split)[(top := peaks.index(max(peaks)))]
     layers = spec.layers
     parts = ([f"layers {layers.start}-{layers.stop - 1}: " + ", ".join(
         f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)] if layers else [])
