@@ -102,13 +102,10 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, new_tokens: int)
     from megatron.core import parallel_state
 
     try:
-        from models.expert_parallel import ExpertParallel
         from models.model import HybridLM
+        from rl.run.ranks import expert_groups
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                 expert_model_parallel_size=world)
-        ep = ExpertParallel(parallel_state.get_expert_model_parallel_group(),
-                            parallel_state.get_expert_model_parallel_rank(), world)
+        ep, _ = expert_groups(world)
         model = HybridLM(model_config(MODEL), ep).init_weights(seed=1)
         torch.save(measure(model, world, rank, new_tokens), Path(out_dir) / f"rank{rank}.pt")
     finally:

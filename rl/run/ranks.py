@@ -134,16 +134,25 @@ def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int =
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=expert)
-    ep = edp = None
-    if expert > 1:
-        ep = ExpertParallel(parallel_state.get_expert_model_parallel_group(),
-                            parallel_state.get_expert_model_parallel_rank(), expert)
-        edp = parallel_state.get_expert_data_parallel_group()
+    ep, edp = expert_groups(expert)
     return Ranks(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
                  group=parallel_state.get_data_parallel_group(), device=device, expert_parallel=ep,
                  expert_data_group=edp)
+
+
+def expert_groups(expert: int) -> tuple[ExpertParallel | None, dist.ProcessGroup | None]:
+    """Start megatron-core's parallel_state on the running process group (TP = PP = 1,
+    expert_model_parallel_size=`expert`); returns (this rank's expert-parallel group, its
+    expert-data-parallel group), both None when expert == 1. Undo with destroy_model_parallel."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=expert)
+    if expert == 1:
+        return None, None
+    return (ExpertParallel(parallel_state.get_expert_model_parallel_group(),
+                           parallel_state.get_expert_model_parallel_rank(), expert),
+            parallel_state.get_expert_data_parallel_group())
 
 
 def shutdown(ranks: Ranks) -> None:

@@ -43,20 +43,16 @@ def run(rank: int, world: int, init_file: str, out_dir: str, expert: int, idle_r
     from megatron.core import parallel_state
 
     try:
-        from models.expert_parallel import ExpertParallel
-        from models.model import HybridLM
-        from tests.trainer.test_step import OPT, make_batch
         from models.config import load_model_config
+        from models.model import HybridLM
+        from rl.run.ranks import expert_groups
+        from tests.trainer.test_step import OPT, make_batch
         from trainer.step import Trainer, TrainerConfig
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                 expert_model_parallel_size=expert)
-        ep = ExpertParallel(parallel_state.get_expert_model_parallel_group(),
-                            parallel_state.get_expert_model_parallel_rank(), expert)
+        ep, expert_data = expert_groups(expert)  # as a run's ranks start them (rl/run/ranks.py)
         model = HybridLM(load_model_config("configs/model/tiny.yaml"), ep).init_weights(seed=3, std=0.1)
         trainer = Trainer(model, TrainerConfig(num_chunks=4, optimizer=OPT),
-                          group=parallel_state.get_data_parallel_group(),
-                          expert_group=parallel_state.get_expert_data_parallel_group())
+                          group=parallel_state.get_data_parallel_group(), expert_group=expert_data)
         lens, tokens, targets, weights = make_batch()
         mine = shares(world, idle_rank, lens)[rank]
         offsets = [sum(lens[:i]) for i in range(len(lens) + 1)]
