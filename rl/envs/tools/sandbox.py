@@ -1,12 +1,15 @@
 """Run untrusted, model-written Python in a separate, locked-down process.
 
-`Sandbox.run(code, stdin)` hands the code to a WARM worker, a `python -I -S` process started ahead of time
-that has applied its isolation and blocks reading one job from stdin; it runs that one job and exits, and
-the pool starts a replacement at once (no state leaks between jobs; start-up is off the caller's path).
-`run` caps the output, kills the process group at the wall-time limit, removes the working dir, and always
-returns an `ExecResult` naming why the job ended. The layers, and what each does not stop: docs/sandbox.md."""
+`Sandbox.run(code, stdin)` hands the code to a WARM worker: under the default backend a bubblewrap sandbox
+(rl/envs/tools/bwrap.py: its own PID, network, IPC, UTS and mount namespaces, only the interpreter and its
+standard library visible, a fresh size-capped tmpfs as the only writable place, a uid of its slot's own)
+running `python -I -S` that has applied its rlimits and blocks reading one job from stdin. It runs that one
+job and exits, and the pool starts a replacement at once (start-up is off the caller's path). `run` caps the
+output, kills the sandbox's PID namespace at the wall-time limit (every process of the call goes with it),
+and always returns an `ExecResult` naming why the job ended. Guarantees and limits: docs/sandbox.md."""
 import contextlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -19,162 +22,47 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.envs.tools import bwrap
+from rl.envs.tools.bwrap import BACKENDS, SCRATCH, SandboxUnavailable
+
+__all__ = ["BACKENDS", "REASONS", "ExecResult", "PoolStats", "Sandbox", "SandboxConfig", "SandboxSettings",
+           "SandboxUnavailable", "check_backend", "set_default_backend"]
 
 REASONS = ("ok", "error", "timeout", "cpu_limit", "memory", "output_limit", "killed", "crashed")
-NOBODY = 65534  # uid/gid the worker drops to when started as root
 MEMORY_EXIT = 86  # the runner's exit code for an uncaught MemoryError (a job's own sys.exit(86) reads alike)
 NUM_FILES = 64  # RLIMIT_NOFILE inside the worker
 READY_TIMEOUT_S = 60.0  # a worker that has not finished its set-up by then is a start failure
+RUNNER = (Path(__file__).parent / "sandbox_worker.py").read_text()  # sent as text: no project tree inside
+LOG = logging.getLogger("rl.sandbox")
+_DEFAULT_BACKEND = ["bwrap"]
 
-# The worker's script (`python -I -S -c _RUNNER SPEC_JSON`). It isolates itself rather than via `preexec_fn`,
-# which CPython documents as unsafe in a threaded parent such as ours. Order matters: namespaces and mounts
-# (need root); rlimits (while root, so RLIMIT_NPROC binds once the uid is nobody; root ignores it); the uid
-# drop; the audit hook last, as the set-up itself opens files and calls ctypes.
-_RUNNER = r'''
-import ctypes, io, json, os, resource, sys, traceback
 
-def isolate(spec):
-    notes, why = {}, {}
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    def call(name, *args):
-        if getattr(libc, name)(*args) != 0:
-            raise OSError(ctypes.get_errno(), name + ": " + os.strerror(ctypes.get_errno()))
-    root = spec["uid"] is not None
-    try:
-        if root:
-            call("unshare", 0x40000000)  # CLONE_NEWNET: a network with only a loopback, and it is down
-        else:
-            uid, gid = os.getuid(), os.getgid()
-            call("unshare", 0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
-            for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                               ("/proc/self/gid_map", f"{gid} {gid} 1")):
-                with open(path, "w") as f:
-                    f.write(text)
-        notes["netns"] = True
-    except OSError as exc:
-        notes["netns"], why["netns"] = False, str(exc)
-    if root:
-        try:
-            call("unshare", 0x20000)  # CLONE_NEWNS, then keep every mount change private to this worker
-            call("mount", b"none", b"/", None, (1 << 14) | (1 << 18), None)  # MS_REC | MS_PRIVATE
-            notes["hidden"] = expose_python(call)
-            notes["mountns"] = True
-        except OSError as exc:
-            notes["mountns"], why["mountns"] = False, str(exc)
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_s = int(used.ru_utime + used.ru_stime + spec["cpu_time_s"] + 0.999)
-    for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, (cpu_s, cpu_s + 1)),
-                         (resource.RLIMIT_AS, spec["memory_bytes"]), (resource.RLIMIT_FSIZE, spec["max_file_bytes"]),
-                         (resource.RLIMIT_NOFILE, spec["num_files"]), (resource.RLIMIT_NPROC, spec["max_processes"])):
-        resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
-    if root:
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
-    notes["uid_dropped"], notes["uid"] = (os.getuid() != 0 if root else None), os.getuid()  # None: not root
-    notes["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS: exec never gains privileges
-    for path in sys.path:
-        if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
-            raise SystemExit(f"sandbox: uid {os.getuid()} cannot read {path}; see docs/sandbox.md")
-    notes["why"] = why
-    return notes
+def set_default_backend(name: str) -> None:
+    """The backend of every SandboxConfig that names none (`backend=None`): the run's `sandbox.backend`."""
+    if name not in BACKENDS:
+        raise ValueError(f"sandbox.backend={name!r}, expected one of {', '.join(BACKENDS)}")
+    _DEFAULT_BACKEND[0] = name
 
-def expose_python(call):
-    """Cover each directory that hides Python's install from nobody (e.g. /root, mode 700) with an empty
-    tmpfs, and bind-mount back, read-only, only the entry that leads to the install."""
-    hidden = {}
-    for path in [sys.prefix, sys.base_prefix, *sys.path]:
-        path = os.path.realpath(path)
-        for i in [i for i, c in enumerate(path) if c == "/"]:  # "/", "/root", "/root/.pyenv", ...
-            parent = path[:i] or "/"
-            if os.path.isdir(parent) and not os.stat(parent).st_mode & 0o001:  # not searchable by others
-                hidden.setdefault(parent, set()).add(path[i + 1:].split("/")[0])
-                break
-    for parent, names in hidden.items():
-        fds = {name: os.open(os.path.join(parent, name), os.O_PATH) for name in names}
-        call("mount", b"tmpfs", parent.encode(), b"tmpfs", 2 | 4, b"mode=0755,size=64k")  # MS_NOSUID|MS_NODEV
-        for name, fd in fds.items():
-            target = os.path.join(parent, name).encode()
-            os.mkdir(target)
-            call("mount", f"/proc/self/fd/{fd}".encode(), target, None, 4096 | (1 << 14), None)  # MS_BIND|MS_REC
-            call("mount", None, target, None, 4096 | (1 << 14) | 32 | 1, None)  # ... | MS_REMOUNT | MS_RDONLY
-            os.close(fd)
-    return sorted(hidden)
 
-def install_hook(workdir):
-    realpath, sep = os.path.realpath, os.sep
-    reads = tuple({realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p})
-    devices = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
-    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    denied = ("socket.", "subprocess.", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork",
-              "os.forkpty", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "resource.setrlimit",
-              "resource.prlimit", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "pty.",
-              "sqlite3.enable_load_extension", "sqlite3.load_extension", "os.setuid", "os.chroot")
-    changes = {"os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
-               "os.symlink": (1,), "os.truncate": (0,), "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,),
-               "os.mkfifo": (0,), "os.mknod": (0,), "sqlite3.connect": (0,)}
+def check_backend(name: str | None = None, python: str = sys.executable) -> None:
+    """Raise SandboxUnavailable (one line: what to install or enable) unless backend `name` (None: the
+    default) can run workers here; "none" always can (it isolates nothing)."""
+    if (name or _DEFAULT_BACKEND[0]) == "bwrap":
+        bwrap.check(python)
 
-    def under(path, roots):
-        return any(path == r or path.startswith(r + sep) for r in roots)
-    def where(path, follow):
-        path = os.fsdecode(path)
-        if not follow:  # the entry itself, not what a symlink there points to
-            head, tail = os.path.split(os.path.abspath(path))
-            return os.path.join(realpath(head), tail)
-        return realpath(path)
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int) or path is None:
-                return
-            write = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & writes)
-            full = where(path, True)
-            if under(full, (workdir,)) or (not write and (under(full, reads) or full in devices)):
-                return
-            raise PermissionError(f"sandbox: open({full!r}) for {'writing' if write else 'reading'} is not allowed")
-        if event in ("os.listdir", "os.scandir"):
-            path = args[0] if args and args[0] is not None else "."
-            if not isinstance(path, int) and not under(where(path, True), (workdir, *reads)):
-                raise PermissionError(f"sandbox: listing {where(path, True)!r} is not allowed")
-        elif event in changes:
-            for i in changes[event]:
-                path = args[i]
-                if isinstance(path, (str, bytes, os.PathLike)) and path != ":memory:" and not under(
-                        where(path, False), (workdir,)):
-                    raise PermissionError(f"sandbox: {event} on {where(path, False)!r} is not allowed")
-        elif event.startswith(denied):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        elif event == "import" and args[0] in ("ctypes", "_ctypes", "_posixsubprocess"):
-            raise PermissionError(f"sandbox: import {args[0]} is not allowed")
 
-    sys.addaudithook(hook)
+@dataclass(frozen=True, kw_only=True)
+class SandboxSettings:
+    """The run's `sandbox` group: how every sandboxed task of the run isolates model-written code."""
+    backend: str = "bwrap"
+    """"bwrap": each call in a bubblewrap sandbox (docs/sandbox.md); a host without bubblewrap refuses the
+    run. "none": a plain process with rlimits and the audit hook, NO isolation (warned at every start)."""
 
-def main():
-    spec = json.loads(sys.argv[1])
-    notes = isolate(spec)
-    os.chdir(spec["workdir"])
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]  # the set-up's ctypes is not handed to the job
-    if spec["audit_hook"]:
-        install_hook(os.path.realpath(spec["workdir"]))
-    notes["audit_hook"] = spec["audit_hook"]
-    os.write(1, b"READY " + json.dumps(notes).encode() + b"\n")
-    job = json.loads(sys.stdin.buffer.read())
-    sys.stdin, sys.argv = io.StringIO(job["stdin"]), ["<sandbox>"]
-    sys.modules["__main__"] = module = type(sys)("__main__")  # the job's own, empty __main__
-    try:
-        exec(compile(job["code"], "<sandbox>", "exec"), module.__dict__)
-    except MemoryError:
-        print("MemoryError: the sandbox memory limit was reached", file=sys.stderr, flush=True)
-        os._exit(spec["memory_exit"])
-    except Exception:  # SystemExit passes through: the job's own exit code
-        traceback.print_exc()
-        sys.exit(1)
-
-main()
-'''
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}, expected one of {', '.join(BACKENDS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,14 +70,16 @@ class SandboxConfig:
     """Limits of one sandboxed job and the size of the warm pool."""
 
     cpu_time_s: float = 5.0  # RLIMIT_CPU of the job (rounded up to whole seconds): SIGXCPU -> "cpu_limit"
-    wall_time_s: float = 10.0  # from sending the job to its exit; past it the process group is killed
+    wall_time_s: float = 10.0  # from sending the job to its exit; past it every process of the call is killed
     memory_mb: int = 512  # RLIMIT_AS, the address space (not resident memory) of the worker
     max_output_bytes: int = 65536  # stdout + stderr kept; past it the job is killed ("output_limit")
     max_file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file the job may write
-    max_processes: int = 16  # RLIMIT_NPROC: processes + threads of the worker's uid (shared, see docs)
+    max_processes: int = 16  # RLIMIT_NPROC: processes + threads of the call (its slot's uid)
+    scratch_mb: int = 16  # size of each call's tmpfs /tmp (and of its /dev/shm), the only writable places
     workers: int = 4  # warm workers kept ready ahead of calls
     python: str = sys.executable  # interpreter that runs the jobs
     audit_hook: bool = True  # the Python-level second line of defence; False only to test the OS layers
+    backend: str | None = None  # "bwrap" or "none" (no isolation); None: the run's `sandbox.backend`
 
     def __post_init__(self):
         number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
@@ -197,9 +87,10 @@ class SandboxConfig:
         checks = [("cpu_time_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
                   ("wall_time_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
                   ("python", lambda v: isinstance(v, str) and os.access(v, os.X_OK), "an executable Python"),
-                  ("audit_hook", lambda v: isinstance(v, bool), "True or False")]
+                  ("audit_hook", lambda v: isinstance(v, bool), "True or False"),
+                  ("backend", lambda v: v is None or v in BACKENDS, f"None or one of {', '.join(BACKENDS)}")]
         for name, least in (("memory_mb", 32), ("max_output_bytes", 1), ("max_file_bytes", 0),
-                            ("max_processes", 1), ("workers", 0)):
+                            ("max_processes", 1), ("workers", 0), ("scratch_mb", 1)):
             checks.append((name, lambda v, least=least: integer(v) and v >= least, f"an int >= {least}"))
         for name, good, expected in checks:
             if not good(getattr(self, name)):
@@ -216,7 +107,8 @@ class ExecResult:
     exit_code: int | None
     reason: str
     seconds: float  # wall time from taking a worker to the job's end
-    pid: int | None = None  # the worker that ran it (gone by the time the result is returned)
+    pid: int | None = None  # host pid of the worker's init (bwrap: its PID namespace's pid 1); gone by now
+    pidns: int | None = None  # inode of the call's PID namespace (bwrap): no process is left in it
 
     @property
     def feedback(self) -> str:
@@ -243,22 +135,36 @@ class PoolStats:
 
 @dataclass
 class _Worker:
-    proc: subprocess.Popen
-    workdir: str
-    pid: int
+    proc: subprocess.Popen  # bwrap (or, backend none, the interpreter itself: its process group's leader)
+    sandboxed: bool
+    init_pid: int = 0  # bwrap: host pid of the PID namespace's init; none: proc.pid
+    pidfd: int | None = None  # of the init: signalled without a pid-reuse race
+    pidns: int | None = None
+    uid: int | None = None  # the slot's uid (given back once every process of the worker is gone)
+    workdir: str | None = None  # backend none: the host temp dir it runs in
+    cgroup: str | None = None
     notes: dict = field(default_factory=dict)  # which isolation layers the worker applied
 
     def exited(self) -> bool:
-        """True once the process has exited (it is left unreaped, so its process group stays valid)."""
+        """True once the process we started has exited (left unreaped until `Sandbox._reap`)."""
         try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
         except ChildProcessError:
             return True
 
+    def kill(self) -> None:
+        """SIGKILL every process of the worker: its PID namespace's init (the kernel then kills the rest of
+        the namespace), or, backend none, its process group."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        elif not self.sandboxed:
+            _kill_group(self.proc.pid)
+
 
 def _kill_group(pid: int, sweep: bool = False) -> None:
-    """SIGKILL every process of the worker's group (start_new_session made the worker its leader). With
-    `sweep` (after the leader is reaped) repeat until the group is empty: a fork bomb's last children."""
+    """SIGKILL every process of the group `pid` leads; with `sweep` (after the leader is reaped) repeat until
+    the group is empty (a fork bomb's last children). Backend none only: it has no namespace to kill."""
     for _ in range(200 if sweep else 1):
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -275,11 +181,34 @@ def _remove_dir(path: str) -> None:
     shutil.rmtree(path, onerror=unlock)
 
 
+def _read_until(fd: int, deadline: float, done) -> bytes:
+    """Bytes read from `fd` until `done(data)`, EOF or the deadline."""
+    data = b""
+    while not done(data) and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.1)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
 class Sandbox:
-    """A warm pool of one-shot workers. `run` is thread-safe; `close` kills every worker it owns."""
+    """A warm pool of one-shot workers. `run` is thread-safe; `close` kills every worker it owns. Raises
+    SandboxUnavailable (one line) when its backend cannot run here."""
 
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
+        self.backend = self.config.backend or _DEFAULT_BACKEND[0]
+        self._root = os.geteuid() == 0
+        self._cgroup_parent = None
+        if self.backend == "bwrap":
+            bwrap.check(self.config.python)
+            self._cgroup_parent = bwrap.cgroup_parent()
+        else:
+            LOG.warning("sandbox.backend=none: model-written code runs WITHOUT isolation (a plain process with "
+                        "rlimits and an audit hook that code can switch off); use sandbox.backend=bwrap")
+        self._uids = bwrap.SlotUids(self._root)
         self._cond = threading.Condition()
         self._ready: deque[_Worker] = deque()
         self._busy: dict[int, _Worker] = {}
@@ -290,39 +219,74 @@ class Sandbox:
         self._filler = threading.Thread(target=self._fill, name="sandbox-pool", daemon=True)
         self._filler.start()
 
-    def _start_worker(self) -> _Worker:
-        """Start one worker and wait until it reports its isolation applied (or raise RuntimeError)."""
-        cfg = self.config
-        is_root = os.geteuid() == 0
-        workdir = tempfile.mkdtemp(prefix="sandbox-")
-        if is_root:
-            os.chown(workdir, NOBODY, NOBODY)
-        spec = {"workdir": workdir, "cpu_time_s": cfg.cpu_time_s, "memory_bytes": cfg.memory_mb << 20,
-                "max_file_bytes": cfg.max_file_bytes, "max_processes": cfg.max_processes,
-                "num_files": NUM_FILES, "uid": NOBODY if is_root else None, "audit_hook": cfg.audit_hook,
-                "memory_exit": MEMORY_EXIT}
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        args = [cfg.python, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER, json.dumps(spec)]
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=workdir, env=env, start_new_session=True, close_fds=True)
-        worker = _Worker(proc, workdir, proc.pid)
+    def _spawn(self) -> tuple[_Worker, int]:
+        """Start one worker process; (the worker, the read end of bwrap's --info-fd or -1)."""
+        cfg, sandboxed = self.config, self.backend == "bwrap"
+        worker = _Worker(None, sandboxed, uid=self._uids.take() if sandboxed else None,  # type: ignore[arg-type]
+                         workdir=None if sandboxed else tempfile.mkdtemp(prefix="sandbox-"))
+        spec = json.dumps({"workdir": SCRATCH if sandboxed else worker.workdir, "cpu_time_s": cfg.cpu_time_s,
+                           "memory_bytes": cfg.memory_mb << 20, "max_file_bytes": cfg.max_file_bytes,
+                           "max_processes": cfg.max_processes, "num_files": NUM_FILES, "memory_exit": MEMORY_EXIT,
+                           "drop_to": worker.uid if sandboxed and self._root else None,
+                           "audit_hook": cfg.audit_hook})
+        info_r = info_w = -1
+        try:
+            if sandboxed:
+                info_r, info_w = os.pipe()
+                argv = bwrap.command(cfg.python, uid=worker.uid, root=self._root, scratch_bytes=cfg.scratch_mb << 20,
+                                     info_fd=info_w, runner=RUNNER, spec=spec)
+                if self._cgroup_parent is not None:
+                    worker.cgroup = bwrap.make_cgroup(
+                        self._cgroup_parent, f"rl-sandbox-{os.getpid()}-{worker.uid}-{self._num_started}",
+                        memory_bytes=(cfg.memory_mb + 2 * cfg.scratch_mb) << 20, pids=cfg.max_processes + 2)
+                    argv = bwrap.in_cgroup(worker.cgroup, argv)
+            else:
+                argv = [cfg.python, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", RUNNER, spec]
+            env = {"PATH": "/usr/bin:/bin", "HOME": worker.workdir or SCRATCH, "TMPDIR": worker.workdir or SCRATCH,
+                   "LANG": "C.UTF-8"}
+            worker.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           cwd=worker.workdir or "/", env=env, start_new_session=True, close_fds=True,
+                                           pass_fds=(info_w,) if sandboxed else ())
+        except BaseException:
+            if info_r >= 0:
+                os.close(info_r)
+            self._release(worker)
+            raise
+        finally:
+            if info_w >= 0:
+                os.close(info_w)
+        worker.init_pid = worker.proc.pid
         with self._cond:
             self._num_started += 1
-        line = b""
+        return worker, info_r
+
+    def _start_worker(self) -> _Worker:
+        """Start one worker and wait until it reports its isolation applied (or raise RuntimeError)."""
+        worker, info_r = self._spawn()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            if select.select([proc.stdout], [], [], 0.1)[0]:
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                line += chunk
+        line = b""
+        try:
+            if info_r >= 0:  # bwrap's report: the host pid of the namespace's init, the namespaces
+                info = json.loads(_read_until(info_r, deadline, lambda d: False) or b"{}")
+                if "child-pid" in info:
+                    worker.pidfd = os.pidfd_open(info["child-pid"])
+                    worker.init_pid, worker.pidns = info["child-pid"], info.get("pid-namespace")
+            if not worker.sandboxed or worker.pidfd is not None:
+                line = _read_until(worker.proc.stdout.fileno(), deadline, lambda d: d.endswith(b"\n"))
+        except (OSError, ValueError):
+            line = b""
+        finally:
+            if info_r >= 0:
+                os.close(info_r)
         if not line.startswith(b"READY "):
-            _kill_group(proc.pid)
-            proc.wait()
-            err = proc.stderr.read().decode(errors="replace").strip()
-            self._discard(worker)
-            raise RuntimeError(f"sandbox worker failed to start ({cfg.python}): {err or line!r}")
-        worker.notes = json.loads(line[6:])
+            self._reap(worker)
+            err = worker.proc.stderr.read().decode(errors="replace").strip()
+            self._release(worker)
+            raise RuntimeError(f"sandbox worker failed to start ({self.config.python}, backend "
+                               f"{self.backend}): {err or line!r}")
+        worker.notes = json.loads(line[6:]) | {"backend": self.backend, "cgroup": worker.cgroup is not None}
+        if worker.sandboxed:
+            worker.notes["namespaces"] = ["pid", "net", "ipc", "uts", "mount"] + ([] if self._root else ["user"])
         return worker
 
     def _fill(self) -> None:
@@ -345,21 +309,12 @@ class Sandbox:
             with self._cond:
                 self._num_starting -= 1
                 if worker is not None:
-                    self._note_isolation(worker.notes)
+                    self.isolation = self.isolation or dict(worker.notes)
                     if self._closed:
                         self._discard(worker)
                     else:
                         self._ready.append(worker)
                 self._cond.notify_all()
-
-    def _note_isolation(self, notes: dict) -> None:
-        if self.isolation:
-            return
-        self.isolation = dict(notes)
-        missing = [k for k in ("uid_dropped", "netns", "mountns") if notes.get(k) is False]
-        if missing:
-            warnings.warn(f"sandbox isolation layers unavailable here: {', '.join(missing)} "
-                          f"({notes.get('why', {})}); see docs/sandbox.md", RuntimeWarning)
 
     def _take(self) -> _Worker:
         """A live ready worker, or a freshly started one when none is ready."""
@@ -375,17 +330,47 @@ class Sandbox:
                 self._discard(worker)  # killed while waiting for a job
             self._num_cold += 1
         worker = self._start_worker()
-        self._note_isolation(worker.notes)
+        self.isolation = self.isolation or dict(worker.notes)
         return worker
 
-    def _discard(self, worker: _Worker) -> None:
-        _kill_group(worker.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
-            worker.proc.wait(timeout=5.0)
-        _kill_group(worker.pid, sweep=True)
-        for pipe in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr):
+    def _reap(self, worker: _Worker) -> tuple[int, object]:
+        """Kill every process of `worker` and reap it: (wait status, rusage of the call's processes). Once it
+        returns, no process of the worker is left (bwrap: its namespace's init has exited, which the kernel
+        allows only when the namespace is empty)."""
+        worker.kill()
+        if worker.proc.returncode is not None:
+            return worker.proc.returncode, None
+        for _ in range(500):  # bwrap exits once its init has; it is killed itself past 5 s
+            if worker.exited():
+                break
+            time.sleep(0.01)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, signal.SIGKILL)
+        _, status, usage = os.wait4(worker.proc.pid, 0)
+        worker.proc.returncode = os.waitstatus_to_exitcode(status)
+        if worker.pidfd is not None:
+            select.select([worker.pidfd], [], [], 5.0)  # readable when the init has exited
+            os.close(worker.pidfd)
+            worker.pidfd = None
+        elif not worker.sandboxed:
+            _kill_group(worker.proc.pid, sweep=True)
+        return worker.proc.returncode, usage
+
+    def _release(self, worker: _Worker) -> None:
+        """Give back what the worker held (its processes are gone): pipes, uid, cgroup, temp dir."""
+        for pipe in (worker.proc.stdin, worker.proc.stdout, worker.proc.stderr) if worker.proc else ():
             pipe.close()
-        _remove_dir(worker.workdir)
+        if worker.uid is not None:
+            self._uids.give(worker.uid)
+        if worker.cgroup is not None:
+            bwrap.remove_cgroup(worker.cgroup)
+        if worker.workdir is not None:
+            _remove_dir(worker.workdir)
+
+    def _discard(self, worker: _Worker) -> None:
+        self._reap(worker)
+        self._release(worker)
 
     def run(self, code: str, stdin: str = "") -> ExecResult:
         """Run `code` (with `stdin` as its standard input) in a fresh worker; always returns a result."""
@@ -394,12 +379,12 @@ class Sandbox:
         start = time.monotonic()
         worker = self._take()
         with self._cond:
-            self._busy[worker.pid] = worker
+            self._busy[worker.init_pid] = worker
         try:
             return self._execute(worker, code, stdin, start)
         finally:
             with self._cond:
-                self._busy.pop(worker.pid, None)
+                self._busy.pop(worker.init_pid, None)
             self._discard(worker)
 
     def _execute(self, worker: _Worker, code: str, stdin: str, start: float) -> ExecResult:
@@ -409,15 +394,15 @@ class Sandbox:
             proc.stdin.write(json.dumps({"code": code, "stdin": stdin}).encode())
             proc.stdin.close()
         out, err, stopped = self._collect(worker, deadline)
-        _kill_group(proc.pid)  # leftovers of a job that exited with children still running
-        _, status, usage = os.wait4(proc.pid, 0)
-        _kill_group(proc.pid, sweep=True)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        cpu_s = usage.ru_utime + usage.ru_stime
-        reason = stopped or self._classify(proc.returncode, cpu_s)
+        code_, usage = self._reap(worker)
+        if worker.sandboxed and code_ > 128:  # bwrap's init exits 128 + n when the job died of signal n
+            code_ = -(code_ - 128)
+        proc.returncode = code_
+        cpu_s = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
+        reason = stopped or self._classify(code_, cpu_s)
         return ExecResult(ok=reason == "ok", stdout=out.decode(errors="replace"),
-                          stderr=err.decode(errors="replace"), exit_code=proc.returncode, reason=reason,
-                          seconds=time.monotonic() - start, pid=proc.pid)
+                          stderr=err.decode(errors="replace"), exit_code=code_, reason=reason,
+                          seconds=time.monotonic() - start, pid=worker.init_pid, pidns=worker.pidns)
 
     def _classify(self, exit_code: int, cpu_s: float) -> str:
         if exit_code == 0:
@@ -442,9 +427,9 @@ class Sandbox:
                 break
             if exited_at is None and worker.exited():
                 exited_at = now
-                _kill_group(proc.pid)  # children holding the pipes open die with the group
+                worker.kill()  # children holding the pipes open die with the worker
             elif exited_at is not None and now - exited_at > 1.0:
-                break  # something outside the group still holds a pipe; stop waiting for it
+                break  # something outside the worker still holds a pipe; stop waiting for it
             readable, _, _ = select.select(list(open_fds), [], [], min(0.05, deadline - now))
             for fd in readable:
                 chunk = os.read(fd, 65536)
@@ -457,11 +442,11 @@ class Sandbox:
                     stopped = "output_limit"
                     break
         if stopped is not None:
-            _kill_group(proc.pid)
+            worker.kill()
         return bytes(fds[proc.stdout.fileno()]), bytes(fds[proc.stderr.fileno()]), stopped
 
     def busy_pids(self) -> list[int]:
-        """Pids of the workers running a job right now."""
+        """Host pids of the workers running a job right now (bwrap: each one's namespace init)."""
         with self._cond:
             return list(self._busy)
 
@@ -485,12 +470,12 @@ class Sandbox:
         with self._cond:
             self._closed = True
             ready, self._ready = list(self._ready), deque()
-            busy = list(self._busy)
+            busy = list(self._busy.values())
             self._cond.notify_all()
         for worker in ready:
             self._discard(worker)
-        for pid in busy:
-            _kill_group(pid)
+        for worker in busy:
+            worker.kill()
         self._filler.join(timeout=READY_TIMEOUT_S)
 
     def __enter__(self) -> "Sandbox":
