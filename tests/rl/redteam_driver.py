@@ -30,22 +30,26 @@ def attacks(repo: str, caller: dict) -> list[dict]:
     probe = ("def probe(f):\n    try:\n        print('got', f())\n    except BaseException as e:\n"
              "        print('refused', type(e).__name__)\n")
     return [
-        dict(name="dir_fd read and write", hook=True, code=probe + (
+        dict(name="dir_fd read and write", hook=True, code=probe + (  # the kernel resolves from fd, a hook from cwd
             "import os\nfds = []\nfor base in ('/', '.', os.path.dirname(os.__file__)):\n    try:\n"
             "        fds.append(os.open(base, os.O_RDONLY))\n    except OSError as e:\n        print('refused', e)\n"
-            "up = '../' * 16\nfor fd in fds:\n"
+            "try:\n    os.makedirs('/'.join('d' * 16))\n    os.chdir('/'.join('d' * 16))\nexcept OSError as e:\n"
+            "    print('refused', e)\nup = '../' * 16\nfor fd in fds:\n"
             f"    probe(lambda: os.read(os.open(up + '{repo.lstrip('/')}/rl/envs/tools/sandbox.py', os.O_RDONLY, dir_fd=fd), 99))\n"
             "    probe(lambda: os.read(os.open(up + 'etc/passwd', os.O_RDONLY, dir_fd=fd), 99))\n"
             f"    probe(lambda: os.write(os.open(up + '{run_dir.lstrip('/')}/dirfd-{TAG}', os.O_WRONLY | os.O_CREAT, dir_fd=fd), b'x'))\n"
             f"    probe(lambda: os.write(os.open(up + '{caller['host_tmp'].lstrip('/')}/dirfd-{TAG}', os.O_WRONLY | os.O_CREAT, dir_fd=fd), b'x'))\n")),
-        dict(name="frames to switch the hook off", hook=True, code=probe + (
-            "import sys\ndef off():\n    try:\n        open('/etc/shadow')\n    except PermissionError as e:\n"
-            "        tb = e.__traceback__\n        while tb is not None:\n"
+        dict(name="frames to switch the hook off", hook=True, code=probe + (  # a refused call's traceback leads to the hook
+            "import sys\nevents = ['os.system', 'subprocess.Popen', 'os.fork', 'os.exec', 'os.posix_spawn', 'ctypes.dlopen']\n"
+            "def off():\n    try:\n        open('/etc/shadow')\n    except PermissionError as e:\n"
+            "        tb, n = e.__traceback__, 0\n        while tb is not None:\n"
             "            for v in list(tb.tb_frame.f_locals.values()):\n"
-            "                if isinstance(v, (dict, list, set)):\n                    v.clear()\n"
-            "            tb = tb.tb_next\n    return 'walked'\nprobe(off)\nimport os\n"
+            "                for table in (v, getattr(v, '__self__', None)):\n"
+            "                    if isinstance(table, dict):\n"
+            "                        table.update({k: () for k in events})\n                        n += 1\n"
+            "            tb = tb.tb_next\n    return n\nprobe(off)\nimport os\n"
             f"probe(lambda: os.system('echo x > {run_dir}/hook-{TAG}; echo x > {caller['host_tmp']}/hook-{TAG}'))\n"
-            f"probe(lambda: __import__('subprocess').run(['/bin/sh', '-c', 'echo x > {run_dir}/sub-{TAG}']))\n")),
+            f"probe(lambda: __import__('subprocess').run(['/bin/sh', '-c', 'echo x > {caller['host_tmp']}/sub-{TAG}']))\n")),
         dict(name="setsid and double-fork survivors", hook=False, code=(
             "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             f"        os.execv('/bin/sleep', ['sleep-{TAG}', '30'])\n    os._exit(0)\nos.wait()\nprint('forked')")),
@@ -136,9 +140,13 @@ def main(repo: str, python: str, out_path: str) -> None:
     try:
         with Sandbox(SandboxConfig(workers=2, audit_hook=False, **common)) as off, \
                 Sandbox(SandboxConfig(workers=1, audit_hook=True, **common)) as on:
+            seen = {"files": set(), "processes": set()}  # traces an earlier attack left are not this one's
             for attack in attacks(repo, caller):
                 report[attack["name"]] = run_one(on if attack["hook"] else off, attack, received, listener)
-                report[attack["name"]]["host"] = host_traces([run_dir, home, venv, tempfile.gettempdir(), "/dev/shm", repo])
+                now = host_traces([run_dir, home, venv, tempfile.gettempdir(), "/dev/shm", repo])
+                report[attack["name"]]["host"] = {k: sorted(set(v) - seen[k]) for k, v in now.items()}
+                for k, v in now.items():
+                    seen[k] |= set(v)
     finally:
         os.remove(os.path.join(home, f".secret-{TAG}"))
         os.remove(shm)

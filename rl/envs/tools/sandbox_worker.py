@@ -60,7 +60,6 @@ def install_hook(workdir):
                ("os.link", (0, 1)), ("os.symlink", (1,)), ("os.truncate", (0,)), ("os.chmod", (0,)),
                ("os.chown", (0,)), ("os.utime", (0,)), ("os.mkfifo", (0,)), ("os.mknod", (0,)),
                ("sqlite3.connect", (0,)))
-    changed = dict(changes).get
 
     def under(path, roots):
         return any(path == r or path.startswith(r + sep) for r in roots)
@@ -87,8 +86,8 @@ def install_hook(workdir):
             path = args[0] if args and args[0] is not None else "."
             if not isinstance(path, int) and not under(where(path, True), (workdir, *reads)):
                 raise PermissionError(f"sandbox: listing {where(path, True)!r} is not allowed")
-        elif changed(event):
-            for i in changed(event):
+        elif any(event == name for name, _ in changes):
+            for i in next(where_ for name, where_ in changes if name == event):
                 path = args[i]
                 if isinstance(path, (str, bytes, os.PathLike)) and path != ":memory:" and not under(
                         where(path, False), (workdir,)):
