@@ -351,6 +351,8 @@ class Sandbox:
         worker.proc.returncode = os.waitstatus_to_exitcode(status)
         if worker.pidfd is not None:
             select.select([worker.pidfd], [], [], 5.0)  # readable when the init has exited
+            with contextlib.suppress(ChildProcessError, OSError):  # handed to us when we are a reaper (pid 1)
+                os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOHANG)
             os.close(worker.pidfd)
             worker.pidfd = None
         elif not worker.sandboxed:
