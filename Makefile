@@ -16,10 +16,10 @@ export DS_BUILD_OPS := 0
 # The main job: a colocated RL run of the tiny model on CPU (experiment=cpu_demo, a few minutes).
 # Each `make run` writes a new run directory under runs/; continue one with
 #   $(PY) -m rl.train run_dir=runs/<dir> resume=true
-run: $(STAMP)
+run: apt $(STAMP)
 	$(PY) -m rl.train run_dir=runs/cpu_demo-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+test: apt $(STAMP)
 	$(PY) -m pytest -q --durations=20
 
 install: $(STAMP)
@@ -36,9 +36,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m kernels.prebuild
 	touch $(STAMP)
 
-# libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. g++: JIT-built C++ ops (kernels/cpu/). Installed only when root
-# and missing; otherwise say what to do instead of failing later with an obscure JIT error.
+# libaio-dev: DeepSpeed's async_io (NVMe tensor store) links against it. g++: JIT-built C++ ops (kernels/cpu/). bubblewrap: the
+# sandbox of model-written code (rl/envs/tools/bwrap.py). Installed only when root and missing; otherwise say what to do instead of
+# failing later with an obscure error.
 apt:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing bubblewrap (the sandbox of model-written code)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	else echo "warning: bubblewrap is missing and we are not root: run 'sudo apt-get install bubblewrap'; tasks that run model code refuse to start"; fi
 	@if dpkg -s libaio-dev >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing libaio-dev (DeepSpeed async_io)"; \

@@ -34,8 +34,9 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
-from rl.config.checks import check_optional_groups, check_world
+from rl.config.checks import check_optional_groups, check_sandbox, check_world
 from rl.envs.data import DataConfig, check_files
+from rl.envs.tools.sandbox import SandboxSettings
 from rl.episodes.env_runner import EnvConfig
 from rl.episodes.driver import DriverConfig
 from rl.run.tracking import TrackingConfig
@@ -267,6 +268,8 @@ class RunConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     """Validation on held-out episodes (rl/episodes/validation.py): when (every, before_train), how (n, temperature, top_p,
     max_new_tokens), how many (num_prompts; data.val_files rows when given), the dump (run_dir/val/)."""
+    sandbox: SandboxSettings = field(default_factory=SandboxSettings)
+    """How tasks that run model-written code isolate it (`sandbox.backend`: bwrap, or none = no isolation)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts and labels from files (rl/envs/data.py); train_files=[] = the task generates its prompts."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -446,6 +449,7 @@ def to_run_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...] = ()) 
     _build_groups(cfg, "")
     run_config = OmegaConf.to_object(cfg)
     check_world(run_config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_sandbox(run_config)
     return run_config
 
 

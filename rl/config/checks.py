@@ -41,3 +41,14 @@ def check_tokenizer(cfg, tokenizer) -> None:
         raise ValueError(f"tokenizer.path={cfg.tokenizer.path!r} has {tokenizer.vocab_size} tokens but the model's "
                          f"vocab_size is {cfg.model.vocab_size}: ids past it have no embedding; expected a tokenizer "
                          f"of at most {cfg.model.vocab_size} tokens (or a model config that matches it)")
+
+
+def check_sandbox(cfg) -> None:
+    """Make `sandbox.backend` the process's sandbox backend, and refuse (SandboxUnavailable, one line saying
+    what to install or enable) a task that runs model-written code when that backend cannot run here."""
+    from rl.envs.tasks import resolve_task
+    from rl.envs.tools.sandbox import check_backend, set_default_backend
+
+    set_default_backend(cfg.sandbox.backend)
+    if getattr(resolve_task(cfg.task.name), "uses_sandbox", False):
+        check_backend(cfg.sandbox.backend)

@@ -20,11 +20,11 @@ RESUME_MAY_CHANGE = ("experiment.iterations", "experiment.collective_timeout_s",
                      "rollout.max_drop_fraction", "env.timeout_s", "env.workers", "env.max_retries",
                      "env.backoff_s", "resume", "run_dir",
                      "experiment.checkpoint", "experiment.num_threads", "warmup.", "eval.",
-                     "parallel.expert")
+                     "parallel.expert", "sandbox.backend")
 """Config keys (or prefixes, ending in ".") a resume may change: how long and how loudly the run goes
 on, its checkpoints' cadence, its budgets and fault limits, its CPU threads (and experiment.checkpoint
 and the warm-up, read only by a new run), and how the experts are split (parallel.expert: a checkpoint
-loads at any expert-parallel size). Any other change is refused."""
+loads at any expert-parallel size), and the sandbox's backend. Any other change is refused."""
 
 
 def resolved_config(cfg: RunConfig) -> dict:

@@ -46,6 +46,7 @@ REMOVED_ALIASES = {
 """Second names a knob once had, and the one it keeps."""
 
 DISTINCT = {
+    "backend": "trainer.optimizer.backend (where the optimizer runs) vs sandbox.backend (how model code is isolated)",
     "budget_tokens": "rollout.budget_tokens (generated tokens per iteration) vs engine.kv_budget.budget_tokens "
                      "(MLA slots per sequence)",
     "every": "eval.every vs checkpoint.every: two cadences",

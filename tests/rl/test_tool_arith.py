@@ -2,12 +2,16 @@
 tool runs model-written code in the sandbox, the task needs it, and the preset's run keeps the
 engine's tokens as the trainer's and reuses each first turn's KV for the second."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from rl.envs.tasks import make_task
+from rl.envs.tools import bwrap
 from rl.envs.tools.python_exec import run_python, shared_sandbox, with_printed_value
-from rl.envs.tools.sandbox import SandboxConfig
+from rl.envs.tools.sandbox import SandboxConfig, SandboxUnavailable, set_default_backend
 from rl.train import run
 from tests.rl.test_config import composed
 
@@ -68,3 +72,24 @@ def test_the_agentic_preset_runs_its_tools_on_workers(tmp_path):
     assert h["env_timeouts"] == 0 and h["env_busy_seconds"] > 0  # the tools ran on the workers, none timed out
     stored = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert stored["env_calls"] == h["env_calls"]
+
+
+def test_a_sandboxed_task_refuses_to_start_without_bubblewrap_unless_backend_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host without bwrap
+    monkeypatch.setattr(bwrap, "_CHECKED", set())
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap.*sandbox.backend=none"):
+            composed("experiment=agentic")
+        assert composed("experiment=agentic", "sandbox.backend=none").sandbox.backend == "none"
+        assert composed("experiment=cpu_demo").task.name == "key_lookup"  # no model code: it starts anyway
+    finally:
+        set_default_backend("bwrap")
+
+
+def test_the_refusal_is_one_line_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "rl.train", "experiment=agentic", f"run_dir={run_dir}"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": str(tmp_path)})
+    assert done.returncode == 1 and not run_dir.exists()
+    assert done.stderr.strip().splitlines() == [
+        "error: SandboxUnavailable: " + bwrap.missing_message()], done.stderr

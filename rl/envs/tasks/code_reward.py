@@ -33,6 +33,7 @@ import ast
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rl.envs.data import LABEL, PROMPT
 from rl.envs.tasks.base import StepResult, register_task
@@ -200,6 +201,8 @@ def score_run(result: ExecResult, tag: str, num_tests: int, partial_credit: floa
 @register_task("code_reward")
 @dataclass
 class CodeReward:
+    uses_sandbox: ClassVar[bool] = True
+    """Runs model-written code: the run refuses to start when the sandbox backend cannot run here."""
     cpu_time_s: float = 5.0
     """CPU-time limit of one answer's run (code and all its tests)."""
     wall_time_s: float = 10.0

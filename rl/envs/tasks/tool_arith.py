@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rl.envs.tasks.base import StepResult, register_task
 from rl.envs.tools.calls import ToolCall, ToolError, ToolRegistry, make_parser
@@ -40,6 +41,8 @@ PARSER = make_parser("python_tag", open_tag="[", close_tag="]", arg_key="code")
 @register_task("tool_arith")
 @dataclass
 class ToolArith:
+    uses_sandbox: ClassVar[bool] = True
+    """Runs model-written code: the run refuses to start when the sandbox backend cannot run here."""
     call_reward: float = 0.2
     """Reward of a right call followed by a wrong answer (plus the share of leading digits right)."""
     max_turns: int = 2
