@@ -362,7 +362,8 @@ class RolloutDriver:
                      # the engine's share of the rollout's wall time, and the environments' work done off it
                      "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
                      **({"env_calls": float(self.runner.num_calls - calls_before),
-                         "env_busy_seconds": self.runner.busy_seconds - busy_before} if self.runner else {})}
+                         "env_busy_seconds": self.runner.busy_seconds - busy_before,
+                         "env_stuck_calls": float(self.runner.num_stuck)} if self.runner else {})}
         return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
                 "rollout_tok_s": generated / max(seconds, 1e-9),
                 "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),

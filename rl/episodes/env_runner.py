@@ -6,19 +6,26 @@ the other requests; a finished call comes back through `collect()` on the driver
 alone touches trajectories, the tokenizer and the dispatcher. An `async def` method is awaited on an
 event loop of its call's own (`resolve`), on the worker.
 
-Timeouts: a call's clock starts when a worker picks it up. Past `timeout_s` the caller gets
-`EnvTimeout` at once; the worker thread cannot be stopped (Python has no thread kill), so the runner
-starts a replacement and the stuck thread retires when its call returns. Retries (`max_retries`,
-after `backoff_s` x 2^k seconds) are the caller's: it resubmits on a fresh environment (a failed or
-hung one is never reused, its state unknown). With `env.workers = 0` calls run inline, one at a
-time, in a deterministic order (the default: runs reproduce bit for bit).
+Timeouts: a call's clock starts when it starts running. Past `timeout_s` the caller gets `EnvTimeout` at
+once, and the call is ENDED: `EnvCallAbandoned` (a BaseException, so `except Exception` in the call does
+not keep it) is raised in its thread at its next Python instruction, again every 0.1 s until it returns,
+so a reward stuck in `while True` stops burning a core. Code blocked inside one C call (a `time.sleep(3600)`,
+a socket read without timeout) cannot be interrupted in-process: it is counted (`num_stuck`, the metric
+`env_stuck_calls`) and bounded (at most `workers` of them; past that, new calls fail at once as
+EnvTimeout naming why) and ends when its C call returns. Code that must be stopped without fail belongs
+in the sandbox (rl/envs/tools/sandbox.py), whose calls are processes. Retries (`max_retries`, after
+`backoff_s` x 2^k seconds) are the caller's: it resubmits on a fresh environment (a failed or hung one
+is never reused, its state unknown). With `env.workers = 0` calls run inline, one at a time, in a
+deterministic order (the default: runs reproduce bit for bit).
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import heapq
 import inspect
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +35,24 @@ from dataclasses import dataclass
 
 class EnvTimeout(TimeoutError):
     """An environment call did not return within `env.timeout_s`."""
+
+
+class EnvCallAbandoned(BaseException):
+    """Raised inside an environment call that timed out, to end it (module docstring)."""
+
+
+LOG = logging.getLogger(__name__)
+INTERRUPT_EVERY_S = 0.1  # how often a timed-out call still running is interrupted again
+GRACE_S = 1.0  # how long an inline call's timeout waits for the interrupted call to end
+_STRAGGLERS: list[threading.Thread] = []  # inline calls that timed out and could not be ended (blocked in C)
+
+
+def interrupt(thread: threading.Thread) -> bool:
+    """Raise EnvCallAbandoned in `thread` at its next Python instruction; False when it is not running."""
+    if not thread.is_alive() or thread.ident is None:
+        return False
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                      ctypes.py_object(EnvCallAbandoned)) == 1
 
 
 DROP_REASONS = ("too_long", "env_error", "timeout", "tokenizer", "bad_reward")
@@ -44,22 +69,38 @@ class Dropped(Exception):
 
 def call_with_timeout(fn: Callable[[], object], timeout_s: float | None, what: str) -> object:
     """`fn()`, or EnvTimeout when it has not returned after `timeout_s` seconds (None: a plain call).
-    The call runs on a daemon thread that is abandoned on timeout (Python cannot stop it; a daemon
-    thread does not keep the process alive); whatever it raises is re-raised here."""
+    The call runs on a daemon thread; on timeout it is interrupted until it ends (up to GRACE_S; one
+    blocked in C is left to end on its own, counted, and at most 8 such are allowed before every timed call
+    fails at once); whatever it raises is re-raised here."""
     if timeout_s is None:
         return resolve(fn())
+    _STRAGGLERS[:] = [t for t in _STRAGGLERS if t.is_alive()]
+    if len(_STRAGGLERS) >= 8:
+        raise EnvTimeout(f"{what} not started: {len(_STRAGGLERS)} earlier calls timed out blocked in code Python "
+                         f"cannot interrupt (a C call such as a sleep or a socket read) and are still running")
     out: dict[str, object] = {}
 
     def target() -> None:
         try:
-            out["value"] = resolve(fn())
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
-            out["error"] = err
+            try:
+                out["value"] = resolve(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                out["error"] = err
+        except EnvCallAbandoned:  # a late interrupt, after the call had ended
+            pass
 
     thread = threading.Thread(target=target, name=f"env-call {what}", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        end = time.monotonic() + GRACE_S
+        while thread.is_alive() and time.monotonic() < end:
+            interrupt(thread)
+            thread.join(INTERRUPT_EVERY_S)
+        if thread.is_alive():
+            _STRAGGLERS.append(thread)
+            LOG.warning("%s timed out and could not be interrupted (blocked outside Python); %d such calls "
+                        "still running", what, len(_STRAGGLERS))
         raise EnvTimeout(f"{what} did not return within env.timeout_s={timeout_s:g}")
     if "error" in out:
         raise out["error"]
@@ -122,32 +163,41 @@ class _Call:
     fn: Callable[[], object]
     not_before: float = 0.0
     started: float | None = None
-    finished: bool = False
+    finished: bool = False  # its result (or its EnvTimeout) is the caller's
+    thread: threading.Thread | None = None
+    returned: bool = False  # its thread is done with it
+    interrupted_at: float = 0.0
 
 
 class EnvRunner:
-    """A pool of `workers` daemon threads running submitted calls (see the module docstring).
-    `submit(key, fn, delay_s)`; `collect()` -> [(key, value or the exception)] of the calls that
-    ended (timed-out ones included, as EnvTimeout); `wait(timeout_s)` blocks until one may have;
+    """Runs submitted calls, at most `workers` at once, each on a thread of its own (see the module
+    docstring). `submit(key, fn, delay_s)`; `collect()` -> [(key, value or the exception)] of the calls
+    that ended (timed-out ones included, as EnvTimeout); `wait(timeout_s)` blocks until one may have;
     `pending` counts calls submitted and not yet collected. One thread submits and collects."""
 
     def __init__(self, workers: int, timeout_s: float | None) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}, expected >= 1")
         self.workers, self.timeout_s = workers, timeout_s
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # entered in C: a late interrupt cannot land between acquire and `with`
+        self._cv = threading.Condition(self._lock)
         self._queue: deque[_Call] = deque()
         self._delayed: list[tuple[float, int, _Call]] = []  # (not_before, order, call): retries waiting
         self._order = itertools.count()
         self._running: set[_Call] = set()
+        self._abandoned: set[_Call] = set()  # timed out, still running: interrupted until they return
         self._ended: list[tuple[object, object]] = []
-        self._threads = 0  # live worker threads (stuck ones included until they retire)
-        self._stuck = 0  # threads whose call timed out and is still running
         self.pending = 0
         self.num_calls = self.num_timeouts = 0
         self.busy_seconds = 0.0
         """Summed wall time of the calls that ended (the work the engine did not wait for)."""
         self._closed = False
+
+    @property
+    def num_stuck(self) -> int:
+        """Calls that timed out and are still running (interrupted, blocked outside Python)."""
+        with self._cv:
+            return sum(1 for c in self._abandoned if c.thread.is_alive())
 
     # ---- the caller's side ---------------------------------------------------------------------------
     def submit(self, key: object, fn: Callable[[], object], delay_s: float = 0.0) -> None:
@@ -159,24 +209,25 @@ class EnvRunner:
                 heapq.heappush(self._delayed, (call.not_before, next(self._order), call))
             else:
                 self._queue.append(call)
-            self._grow()
-            self._cv.notify_all()
+            self._start_ready()
 
     def collect(self) -> list[tuple[object, object]]:
         """The calls that ended since the last collect, in the order they ended; a call past its
-        timeout ends here as EnvTimeout (its thread is replaced)."""
+        timeout ends here as EnvTimeout (and is interrupted until it returns)."""
         now = time.monotonic()
         with self._cv:
-            self._release_delayed(now)
+            while self._delayed and self._delayed[0][0] <= now:
+                self._queue.append(heapq.heappop(self._delayed)[2])
             if self.timeout_s is not None:
-                for call in [c for c in self._running if not c.finished and now - c.started > self.timeout_s]:
+                for call in [c for c in self._running if now - c.started > self.timeout_s]:
                     self._running.discard(call)
+                    self._abandoned.add(call)
                     call.finished = True
-                    self._stuck += 1
                     self.num_timeouts += 1
                     self._ended.append((call.key, EnvTimeout(
                         f"the call did not return within env.timeout_s={self.timeout_s:g} s")))
-                self._grow()
+            self._interrupt_abandoned(now)
+            self._start_ready()
             ended, self._ended = self._ended, []
         self.pending -= len(ended)
         return ended
@@ -191,57 +242,78 @@ class EnvRunner:
             if self._delayed:
                 due.append(self._delayed[0][0])
             if self.timeout_s is not None:
-                due += [c.started + self.timeout_s for c in self._running if c.started is not None]
+                due += [c.started + self.timeout_s for c in self._running]
+            if self._abandoned:
+                due.append(now + INTERRUPT_EVERY_S)
             self._cv.wait(max(0.0, min(due) - now) + 1e-3)
 
     def close(self) -> None:
-        """Stop the workers (running calls are abandoned: daemon threads)."""
+        """Drop the queued calls and interrupt the running ones (their results are not collected)."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._delayed.clear()
+            self._abandoned |= self._running
+            self._running.clear()
+            self._interrupt_abandoned(time.monotonic() + INTERRUPT_EVERY_S)
             self._cv.notify_all()
 
-    # ---- the workers ---------------------------------------------------------------------------------
-    def _release_delayed(self, now: float) -> None:
-        while self._delayed and self._delayed[0][0] <= now:
-            self._queue.append(heapq.heappop(self._delayed)[2])
-            self._cv.notify_all()
-
-    def _grow(self) -> None:
-        """Enough threads for `workers` calls at once besides the stuck ones (under the lock)."""
-        while self._threads - self._stuck < self.workers and not self._closed:
-            self._threads += 1
-            threading.Thread(target=self._work, name=f"env-worker-{self._threads}", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._release_delayed(time.monotonic())
-                    if self._queue:
-                        break
-                    self._cv.wait(self._delayed[0][0] - time.monotonic() if self._delayed else None)
-                if self._closed:
-                    self._threads -= 1
-                    return
+    # ---- the calls' threads (under the lock unless said) ------------------------------------------------
+    def _start_ready(self) -> None:
+        """Start queued calls while fewer than `workers` run; with `workers` calls stuck in C past their
+        timeout, fail the queued ones at once instead of waiting behind them."""
+        stuck = sum(1 for c in self._abandoned if c.thread.is_alive())
+        if stuck >= self.workers and self._queue:
+            LOG.warning("%d environment calls timed out blocked in code Python cannot interrupt; failing %d "
+                        "queued calls", stuck, len(self._queue))
+            while self._queue:
                 call = self._queue.popleft()
-                call.started = time.monotonic()
-                self._running.add(call)
-                self._cv.notify_all()  # the caller's wait now has a deadline to watch
+                self._ended.append((call.key, EnvTimeout(
+                    f"not started: {stuck} earlier calls timed out blocked in code Python cannot interrupt (a C call "
+                    f"such as a sleep or a socket read) and are still running")))
+            self._cv.notify_all()
+        while self._queue and len(self._running) < self.workers and not self._closed:
+            call = self._queue.popleft()
+            call.started = time.monotonic()
+            call.thread = threading.Thread(target=self._run, args=(call,), name=f"env-worker-{next(self._order)}", daemon=True)
+            self._running.add(call)
+            call.thread.start()
+        self._cv.notify_all()
+
+    def _interrupt_abandoned(self, now: float) -> None:
+        for call in list(self._abandoned):
+            if call.returned or not call.thread.is_alive():
+                self._abandoned.discard(call)
+            elif now - call.interrupted_at >= INTERRUPT_EVERY_S:
+                call.interrupted_at = now
+                interrupt(call.thread)
+
+    def _run(self, call: _Call) -> None:
+        """A call's thread (not under the lock)."""
+        value: object = None
+        try:
             try:
                 value = call.fn()
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 value = err
-            with self._cv:
-                self.busy_seconds += time.monotonic() - call.started
-                if not call.finished:  # else it timed out: its result is dropped
-                    call.finished = True
-                    self._running.discard(call)
-                    self._ended.append((call.key, value))
-                    self._cv.notify_all()
-                else:
-                    self._stuck -= 1
-                    if self._threads - self._stuck > self.workers:  # a replacement took this one's place
-                        self._threads -= 1
-                        return
+        except EnvCallAbandoned:  # a late interrupt, after the call had returned
+            pass
+        while True:
+            try:
+                self._returned(call, value)
+                return
+            except EnvCallAbandoned:  # landed in the bookkeeping: it is idempotent, do it again
+                continue
+
+    def _returned(self, call: _Call, value: object) -> None:
+        with self._lock:
+            if call.returned:
+                return
+            call.returned = True
+            self._abandoned.discard(call)
+            self.busy_seconds += time.monotonic() - call.started
+            if not call.finished:  # else it timed out: its result is dropped
+                call.finished = True
+                self._running.discard(call)
+                self._ended.append((call.key, value))
+            self._start_ready()
