@@ -167,6 +167,11 @@ class _Call:
     thread: threading.Thread | None = None
     returned: bool = False  # its thread is done with it
     interrupted_at: float = 0.0
+    abandoned_at: float = 0.0  # when it timed out
+
+    def stuck(self, now: float) -> bool:
+        """Timed out more than GRACE_S ago, interrupted since, still running: blocked outside Python."""
+        return self.abandoned_at > 0 and now - self.abandoned_at > GRACE_S and self.thread.is_alive()
 
 
 class EnvRunner:
@@ -196,8 +201,9 @@ class EnvRunner:
     @property
     def num_stuck(self) -> int:
         """Calls that timed out and are still running (interrupted, blocked outside Python)."""
+        now = time.monotonic()
         with self._cv:
-            return sum(1 for c in self._abandoned if c.thread.is_alive())
+            return sum(1 for c in self._abandoned if c.stuck(now))
 
     # ---- the caller's side ---------------------------------------------------------------------------
     def submit(self, key: object, fn: Callable[[], object], delay_s: float = 0.0) -> None:
@@ -222,7 +228,7 @@ class EnvRunner:
                 for call in [c for c in self._running if now - c.started > self.timeout_s]:
                     self._running.discard(call)
                     self._abandoned.add(call)
-                    call.finished = True
+                    call.finished, call.abandoned_at = True, now
                     self.num_timeouts += 1
                     self._ended.append((call.key, EnvTimeout(
                         f"the call did not return within env.timeout_s={self.timeout_s:g} s")))
@@ -253,6 +259,8 @@ class EnvRunner:
             self._closed = True
             self._queue.clear()
             self._delayed.clear()
+            for call in self._running:
+                call.abandoned_at = time.monotonic()
             self._abandoned |= self._running
             self._running.clear()
             self._interrupt_abandoned(time.monotonic() + INTERRUPT_EVERY_S)
@@ -262,7 +270,8 @@ class EnvRunner:
     def _start_ready(self) -> None:
         """Start queued calls while fewer than `workers` run; with `workers` calls stuck in C past their
         timeout, fail the queued ones at once instead of waiting behind them."""
-        stuck = sum(1 for c in self._abandoned if c.thread.is_alive())
+        now = time.monotonic()
+        stuck = sum(1 for c in self._abandoned if c.stuck(now))
         if stuck >= self.workers and self._queue:
             LOG.warning("%d environment calls timed out blocked in code Python cannot interrupt; failing %d "
                         "queued calls", stuck, len(self._queue))
