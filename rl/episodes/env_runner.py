@@ -175,9 +175,9 @@ class _Call:
 
 
 class EnvRunner:
-    """Runs submitted calls, at most `workers` at once, each on a thread of its own (see the module
-    docstring). `submit(key, fn, delay_s)`; `collect()` -> [(key, value or the exception)] of the calls
-    that ended (timed-out ones included, as EnvTimeout); `wait(timeout_s)` blocks until one may have;
+    """A pool of `workers` daemon threads running submitted calls (see the module docstring).
+    `submit(key, fn, delay_s)`; `collect()` -> [(key, value or the exception)] of the calls that
+    ended (timed-out ones included, as EnvTimeout); `wait(timeout_s)` blocks until one may have;
     `pending` counts calls submitted and not yet collected. One thread submits and collects."""
 
     def __init__(self, workers: int, timeout_s: float | None) -> None:
@@ -192,6 +192,7 @@ class EnvRunner:
         self._running: set[_Call] = set()
         self._abandoned: set[_Call] = set()  # timed out, still running: interrupted until they return
         self._ended: list[tuple[object, object]] = []
+        self._threads = 0  # live worker threads (those of abandoned calls included until they return)
         self.pending = 0
         self.num_calls = self.num_timeouts = 0
         self.busy_seconds = 0.0
@@ -200,7 +201,7 @@ class EnvRunner:
 
     @property
     def num_stuck(self) -> int:
-        """Calls that timed out and are still running (interrupted, blocked outside Python)."""
+        """Calls that timed out, were interrupted, and still run past the grace: blocked outside Python."""
         now = time.monotonic()
         with self._cv:
             return sum(1 for c in self._abandoned if c.stuck(now))
@@ -215,15 +216,16 @@ class EnvRunner:
                 heapq.heappush(self._delayed, (call.not_before, next(self._order), call))
             else:
                 self._queue.append(call)
-            self._start_ready()
+            self._fail_behind_stuck()
+            self._grow()
+            self._cv.notify_all()
 
     def collect(self) -> list[tuple[object, object]]:
         """The calls that ended since the last collect, in the order they ended; a call past its
-        timeout ends here as EnvTimeout (and is interrupted until it returns)."""
+        timeout ends here as EnvTimeout (and is interrupted until it returns; its thread is replaced)."""
         now = time.monotonic()
         with self._cv:
-            while self._delayed and self._delayed[0][0] <= now:
-                self._queue.append(heapq.heappop(self._delayed)[2])
+            self._release_delayed(now)
             if self.timeout_s is not None:
                 for call in [c for c in self._running if now - c.started > self.timeout_s]:
                     self._running.discard(call)
@@ -233,7 +235,8 @@ class EnvRunner:
                     self._ended.append((call.key, EnvTimeout(
                         f"the call did not return within env.timeout_s={self.timeout_s:g} s")))
             self._interrupt_abandoned(now)
-            self._start_ready()
+            self._fail_behind_stuck()
+            self._grow()
             ended, self._ended = self._ended, []
         self.pending -= len(ended)
         return ended
@@ -248,81 +251,114 @@ class EnvRunner:
             if self._delayed:
                 due.append(self._delayed[0][0])
             if self.timeout_s is not None:
-                due += [c.started + self.timeout_s for c in self._running]
+                due += [c.started + self.timeout_s for c in self._running if c.started is not None]
             if self._abandoned:
                 due.append(now + INTERRUPT_EVERY_S)
             self._cv.wait(max(0.0, min(due) - now) + 1e-3)
 
     def close(self) -> None:
-        """Drop the queued calls and interrupt the running ones (their results are not collected)."""
+        """Stop the workers; running calls are interrupted (their results are not collected)."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._delayed.clear()
             for call in self._running:
-                call.abandoned_at = time.monotonic()
+                call.finished, call.abandoned_at = True, time.monotonic()
             self._abandoned |= self._running
             self._running.clear()
             self._interrupt_abandoned(time.monotonic() + INTERRUPT_EVERY_S)
             self._cv.notify_all()
 
-    # ---- the calls' threads (under the lock unless said) ------------------------------------------------
-    def _start_ready(self) -> None:
-        """Start queued calls while fewer than `workers` run; with `workers` calls stuck in C past their
-        timeout, fail the queued ones at once instead of waiting behind them."""
+    # ---- the workers (under the lock unless said) -----------------------------------------------------
+    def _release_delayed(self, now: float) -> None:
+        while self._delayed and self._delayed[0][0] <= now:
+            self._queue.append(heapq.heappop(self._delayed)[2])
+            self._cv.notify_all()
+
+    def _fail_behind_stuck(self) -> None:
+        """With `workers` calls stuck in C past their timeout, fail the queued calls at once instead of
+        letting them wait behind the stuck ones."""
         now = time.monotonic()
         stuck = sum(1 for c in self._abandoned if c.stuck(now))
-        if stuck >= self.workers and self._queue:
-            LOG.warning("%d environment calls timed out blocked in code Python cannot interrupt; failing %d "
-                        "queued calls", stuck, len(self._queue))
-            while self._queue:
-                call = self._queue.popleft()
-                self._ended.append((call.key, EnvTimeout(
-                    f"not started: {stuck} earlier calls timed out blocked in code Python cannot interrupt (a C call "
-                    f"such as a sleep or a socket read) and are still running")))
-            self._cv.notify_all()
-        while self._queue and len(self._running) < self.workers and not self._closed:
-            call = self._queue.popleft()
-            call.started = time.monotonic()
-            call.thread = threading.Thread(target=self._run, args=(call,), name=f"env-worker-{next(self._order)}", daemon=True)
-            self._running.add(call)
-            call.thread.start()
+        if stuck < self.workers or not self._queue:
+            return
+        LOG.warning("%d environment calls timed out blocked in code Python cannot interrupt; failing %d queued "
+                    "calls", stuck, len(self._queue))
+        while self._queue:
+            self._ended.append((self._queue.popleft().key, EnvTimeout(
+                f"not started: {stuck} earlier calls timed out blocked in code Python cannot interrupt (a C call "
+                f"such as a sleep or a socket read) and are still running")))
         self._cv.notify_all()
+
+    def _wanted(self) -> int:
+        """Threads wanted: `workers` free for calls, plus one per abandoned call still on its thread (at
+        most `workers` of those: the pool never exceeds twice its size)."""
+        return self.workers + min(self.workers, sum(1 for c in self._abandoned if not c.returned))
+
+    def _grow(self) -> None:
+        while self._threads < self._wanted() and not self._closed:
+            self._threads += 1
+            threading.Thread(target=self._work, name=f"env-worker-{self._threads}", daemon=True).start()
 
     def _interrupt_abandoned(self, now: float) -> None:
         for call in list(self._abandoned):
-            if call.returned or not call.thread.is_alive():
+            if call.returned:
                 self._abandoned.discard(call)
             elif now - call.interrupted_at >= INTERRUPT_EVERY_S:
                 call.interrupted_at = now
                 interrupt(call.thread)
 
-    def _run(self, call: _Call) -> None:
-        """A call's thread (not under the lock)."""
-        value: object = None
-        try:
-            try:
-                value = call.fn()
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                value = err
-        except EnvCallAbandoned:  # a late interrupt, after the call had returned
-            pass
+    def _next(self) -> _Call | None:
+        """The next queued call, taken (blocks); None when this thread is to end."""
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._release_delayed(time.monotonic())
+                if self._queue:
+                    break
+                self._cv.wait(self._delayed[0][0] - time.monotonic() if self._delayed else None)
+            if self._closed:
+                self._threads -= 1
+                return None
+            call = self._queue.popleft()
+            call.started, call.thread = time.monotonic(), threading.current_thread()
+            self._running.add(call)
+            self._cv.notify_all()  # the caller's wait now has a deadline to watch
+            return call
+
+    def _work(self) -> None:
+        """A worker thread (not under the lock). An interrupt meant for a timed-out call may land just after
+        the call returned: the loop then redoes the call's bookkeeping, which is idempotent."""
+        current, value, done = None, None, True
         while True:
             try:
-                self._returned(call, value)
-                return
-            except EnvCallAbandoned:  # landed in the bookkeeping: it is idempotent, do it again
+                if not done:
+                    if not self._returned(current, value):
+                        return
+                    done = True
+                current = self._next()
+                if current is None:
+                    return
+                done, value = False, None
+                try:
+                    value = current.fn()
+                except BaseException as err:  # noqa: BLE001 - handed to the caller
+                    value = err
+            except EnvCallAbandoned:
                 continue
 
-    def _returned(self, call: _Call, value: object) -> None:
+    def _returned(self, call: _Call, value: object) -> bool:
+        """Book a call's end; False when this thread is to retire (a replacement took its place)."""
         with self._lock:
-            if call.returned:
-                return
-            call.returned = True
-            self._abandoned.discard(call)
-            self.busy_seconds += time.monotonic() - call.started
-            if not call.finished:  # else it timed out: its result is dropped
-                call.finished = True
-                self._running.discard(call)
-                self._ended.append((call.key, value))
-            self._start_ready()
+            if not call.returned:
+                call.returned = True
+                self._abandoned.discard(call)
+                self.busy_seconds += time.monotonic() - call.started
+                if not call.finished:  # else it timed out: its result is dropped
+                    call.finished = True
+                    self._running.discard(call)
+                    self._ended.append((call.key, value))
+                self._cv.notify_all()
+            if self._threads > self._wanted() or self._closed:
+                self._threads -= 1
+                return False
+            return True
