@@ -46,6 +46,8 @@ KEYS = {
                      "block_tokens", "small_pool_hit_vs_oracle_turn_aware", "small_pool_hit_vs_oracle_lru"],
     "ref_stream": ["time_ratio", "extra_device_bytes", "resident_device_bytes", "streamed_s", "resident_s"],
     "rollout_throughput": ["ratio", "engine_tok_s", "hf_tok_s", "block_tokens", "same_sequences"],
+    "sandbox": ["sandbox_call_ratio", "back_to_back_ratio", "concurrent_ratio", "sandbox_call_ms", "process_call_ms",
+                "back_to_back_ms", "concurrent_calls_s", "cold_start_ms"],
     "scale": ["device_bytes_bf16_vs_fp32", "engine_extra_weight_bytes", "host_syncs_per_decode_step",
               "moe_grouped_vs_loop", "planner_max_rel_err", "bf16_tokens_same_as_fp32", "weights_bf16_vs_fp32",
               *(f"{k}_{d}" for d in ("fp32", "bf16") for k in ("device_bytes", "engine_s", "train_s")), "model"],
