@@ -51,7 +51,9 @@ from trainer.step import TrainerConfig
 class TaskConfig:
     name: str = MISSING
     """Registered task (rl/envs/tasks) or an import path "package.module:Class"; each configs/task
-    file names its own (the default is the `task` group's selection in configs/config.yaml)."""
+    file names its own (the default is the `task` group's selection in configs/config.yaml). A task
+    named by import path (and a scored task's reward file) runs in the trainer's own process with its
+    privileges: trusted code; only what a task hands to the sandbox is isolated (docs/sandbox.md)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor (its own defaults for the others)."""
 

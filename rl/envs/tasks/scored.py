@@ -7,6 +7,10 @@ template); the reward is `compute_score(solution_str, ground_truth, extra_info)`
 dict with a "score" key (the reward) and other numeric entries, each logged as `reward/<name>`;
 the answer counts as correct when the dict's "acc" (or "correct") entry is true, else when
 score >= 1.
+
+The reward file is imported into the trainer's process and runs there with the trainer's privileges:
+it is trusted code, like the trainer itself. To score model-written code, run that code in the sandbox
+from the reward (rl/envs/tools/sandbox.py; the `code_reward` task does).
 """
 from __future__ import annotations
 
@@ -71,7 +75,8 @@ def score_result(out: object) -> StepResult:
 @dataclass
 class ScoredTask:
     reward_path: str
-    """Python file defining the reward function."""
+    """Python file defining the reward function. It is imported and runs in the trainer's own process with
+    its privileges (files, network, GPUs), not in the sandbox: trusted code only."""
     reward_name: str = "compute_score"
     """Name of the function in that file: (solution_str, ground_truth, extra_info) -> float or dict."""
     max_turns: int = 1
