@@ -1,2 +1,3 @@
-"""Tools for agentic environments: sandboxed code execution (sandbox.py) and tool-call parsing with a
-tool registry (calls.py)."""
+"""Tools for agentic environments: sandboxed code execution (sandbox.py: the warm pool; bwrap.py: the OS
+boundary, bubblewrap; sandbox_worker.py: the script each sandboxed interpreter runs) and tool-call parsing
+with a tool registry (calls.py)."""
