@@ -2,7 +2,9 @@
 it (root, or an unprivileged uid under `setpriv`), observe what each one did to its caller and the host,
 and print one JSON object {attack: observations}. tests/rl/test_sandbox_escape.py runs it and asserts.
 
-    python -B redteam_driver.py REPO PYTHON OUT_JSON     (stdlib only: it runs under any Python >= 3.10)
+    python -B redteam_driver.py REPO PYTHON OUT_JSON [SRC]     (stdlib only: any Python >= 3.10)
+
+REPO is the project tree the attacks aim at; SRC (default REPO) the tree `rl.envs.tools` is imported from.
 
 It imports only rl/envs/tools/ (stdlib modules), and uses only `Sandbox`, `SandboxConfig(cpu_time_s,
 wall_time_s, memory_mb, max_output_bytes, max_processes, workers, python, audit_hook)` and `ExecResult`'s
@@ -114,8 +116,8 @@ def host_traces(roots: list[str]) -> dict:
     return {"files": files, "processes": procs}
 
 
-def main(repo: str, python: str, out_path: str) -> None:
-    sys.path.insert(0, repo)
+def main(repo: str, python: str, out_path: str, src: str | None = None) -> None:
+    sys.path.insert(0, src or repo)
     from rl.envs.tools.sandbox import Sandbox, SandboxConfig
 
     received = []
@@ -182,4 +184,4 @@ def run_one(sandbox, attack: dict, received: list, listener: socket.socket) -> d
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -55,8 +55,13 @@ def run_driver(as_user: tuple[int, str] | None) -> dict:
         os.chown(work, uid, uid)
         env |= {"HOME": os.path.join(work, "home"), "TMPDIR": os.path.join(work, "tmp"),
                 "REDTEAM_VENV": os.path.join(work, "venv")}
-        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-B", str(DRIVER),
-                str(REPO), python, out]
+        src = os.path.join(work, "src")  # what the driver imports, readable by the user wherever the repo lives
+        shutil.copytree(REPO / "rl" / "envs" / "tools", os.path.join(src, "rl", "envs", "tools"))
+        for package in ("rl", "rl/envs"):
+            shutil.copy(REPO / package / "__init__.py", os.path.join(src, package, "__init__.py"))
+        shutil.copy(DRIVER, os.path.join(src, DRIVER.name))
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-B",
+                os.path.join(src, DRIVER.name), str(REPO), python, out, src]
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
         if not os.path.exists(out):
