@@ -35,9 +35,11 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     """Validation rows, same formats (loaded by `load_rows` like the training ones)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or a list of chat messages [{"role", "content"}]."""
+    """Column holding the prompt (a dotted path for a nested one): a string, or a list of chat messages
+    [{"role", "content"}]."""
     label_key: str | None = "label"
-    """Column holding the ground truth handed to the reward; None = rows have no label."""
+    """Column holding the ground truth handed to the reward, a nested one by its dotted path; the default
+    falls back to verl's reward_model.ground_truth when a file has no "label"; None = rows have no label."""
     extra_keys: list[str] = field(default_factory=list)
     """Further columns copied into each row (the reward function's `extra_info`)."""
     max_prompt_tokens: int | None = None
@@ -122,9 +124,9 @@ def _read_records(path: str) -> list[tuple[str, dict]]:
                      f"`datasets.save_to_disk` directory")
 
 
-def _first_columns(path: str) -> tuple[str, list[str]]:
-    """(where, column names) of `path`'s first record (jsonl) or its schema (parquet, datasets directory),
-    without reading the rest: the composition-time check of a data file."""
+def _first_record(path: str) -> tuple[str, dict]:
+    """(where, record) of `path`'s first record, without reading the rest (jsonl: its first object; parquet:
+    its first row; a datasets directory: its first row): the composition-time check of a data file."""
     if not os.path.isdir(path) and path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -135,15 +137,58 @@ def _first_columns(path: str) -> tuple[str, list[str]]:
                         raise ValueError(f"{path}, line {n}: not JSON ({err})") from None
                     if not isinstance(record, dict):
                         raise ValueError(f"{path}, line {n}: {type(record).__name__}, expected a JSON object")
-                    return f"{path}, line {n}", list(record)
+                    return f"{path}, line {n}", record
         raise ValueError(f"data file {path!r} holds no records, expected one JSON object per line")
     if not os.path.isdir(path) and path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"data file {path!r} is parquet: install pyarrow to read it") from None
-        return f"{path} (schema)", list(pq.read_schema(path).names)
-    return f"{path} (features)", [name for _, row in _read_records(path)[:1] for name in row]
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1):
+            return f"{path}, row 0", batch.to_pylist()[0]
+        raise ValueError(f"data file {path!r} holds no rows")
+    records = _read_records(path)[:1]
+    if not records:
+        raise ValueError(f"data file {path!r} holds no rows")
+    return records[0]
+
+
+VERL_LABEL = "reward_model.ground_truth"
+"""verl's label column (a struct column `reward_model` with a `ground_truth` field)."""
+VERL_EXTRAS = ("data_source", "extra_info", "ability")
+"""verl's columns a row carries when its file has them (verl's reward functions read them)."""
+_ABSENT = object()
+
+
+def lookup(record: dict, key: str) -> object:
+    """`record[key]`, or the nested value a dotted `key` names ("reward_model.ground_truth"); a key that
+    exists literally (dots and all) wins. _ABSENT when there is none."""
+    if key in record:
+        return record[key]
+    value: object = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def label_key(config: DataConfig, record: dict) -> str | None:
+    """The label column of a file whose first record is `record`: data.label_key, except that the default
+    ("label") falls back to verl's reward_model.ground_truth when the record has no "label"."""
+    if config.label_key == "label" and "label" not in record and lookup(record, VERL_LABEL) is not _ABSENT:
+        return VERL_LABEL
+    return config.label_key
+
+
+def _columns(record: dict, prefix: str = "") -> list[str]:
+    """Every key of `record`, nested ones as dotted paths (for error messages)."""
+    out = []
+    for k, v in record.items():
+        out.append(prefix + k)
+        if isinstance(v, dict):
+            out += _columns(v, prefix + k + ".")
+    return out
 
 
 def check_files(config: DataConfig) -> None:
@@ -160,12 +205,13 @@ def check_files(config: DataConfig) -> None:
             if not (os.path.isdir(path) or path.endswith((".jsonl", ".parquet"))):
                 raise ValueError(f"data.{key}: {path!r} has an unknown extension, expected .jsonl, .parquet or a "
                                  f"`datasets.save_to_disk` directory")
-            where, columns = _first_columns(path)
-            wanted = {"data.prompt_key": config.prompt_key, "data.label_key": config.label_key}
+            where, record = _first_record(path)
+            wanted = {"data.prompt_key": config.prompt_key, "data.label_key": label_key(config, record)}
             wanted |= {f"data.extra_keys[{i}]": k for i, k in enumerate(config.extra_keys)}
             for name, column in wanted.items():
-                if column is not None and column not in columns:
-                    raise ValueError(f"{name}={column!r}, but {where} has no such key (it has {sorted(columns)})"
+                if column is not None and lookup(record, column) is _ABSENT:
+                    raise ValueError(f"{name}={column!r}, but {where} has no such key (it has {sorted(_columns(record))}; "
+                                     f"a nested key is named by its dotted path)"
                                      + ("; set data.label_key=null if your rows have no label"
                                         if name == "data.label_key" else ""))
 
@@ -191,15 +237,17 @@ def load_rows(files: list[str], config: DataConfig,
         raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} needs the tokenizer: pass `encode`")
     if not files:
         raise ValueError("no data files given, expected at least one .jsonl, .parquet or dataset directory")
-    keys = {PROMPT: config.prompt_key} | ({LABEL: config.label_key} if config.label_key else {})
-    keys |= {k: k for k in config.extra_keys}
     out = LoadedRows([])
     for path in files:
-        for where, record in _read_records(path):
-            missing = [column for column in keys.values() if column not in record]
+        records = _read_records(path)
+        label = label_key(config, records[0][1]) if records else config.label_key
+        keys = {PROMPT: config.prompt_key} | ({LABEL: label} if label else {}) | {k: k for k in config.extra_keys}
+        for where, record in records:
+            row = {name: lookup(record, column) for name, column in keys.items()}
+            missing = [keys[name] for name, value in row.items() if value is _ABSENT]
             if missing:
-                raise ValueError(f"{where}: no key {missing[0]!r} (the record has {sorted(record)})")
-            row = {name: record[column] for name, column in keys.items()}
+                raise ValueError(f"{where}: no key {missing[0]!r} (the record has {sorted(_columns(record))})")
+            row |= {k: record[k] for k in VERL_EXTRAS if k in record and k not in row}
             row.setdefault(LABEL, None)
             _check_prompt(where, config.prompt_key, row[PROMPT])
             if config.max_prompt_tokens is not None and len(encode(row[PROMPT])) > config.max_prompt_tokens:

@@ -31,7 +31,7 @@ def bad_values(tmp_path):
         (["data.label_key=solution"], r"data.label_key='solution', but train.jsonl, line 1 has no such key.*null"),
         (["data.label_key=null"], r"task.name=scored hands each row's label.*data.label_key=null"),
         (["data.prompt_key=prompt"], r"data.prompt_key='prompt', but .* has no such key \(it has \['answer', "
-                                     r"'question'\]\)"),
+                                     r"'question'\]; a nested key is named by its dotted path\)"),
         ([f"tokenizer.path={build_remote_code_dir(tmp_path / 'remote')}"],
          r"tokenizer.path=.*remote.*set tokenizer.trust_remote_code=true"),
         (["eval.n=0"], r"n=0, expected an integer >= 1"),

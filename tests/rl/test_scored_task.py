@@ -49,10 +49,14 @@ def test_scored_task_errors_name_the_file_and_function(tmp_path, reward_path):
     (tmp_path / "const.py").write_text("compute_score = 3\n")
     with pytest.raises(ValueError, match="'compute_score' is a int, expected a callable"):
         make_task("scored", reward_path=str(tmp_path / "const.py"))
-    (tmp_path / "plain.py").write_text("def compute_score(s, g, e):\n    return 1.0\n")
+    (tmp_path / "plain.py").write_text("def compute_score(solution_str, **kwargs):\n    return 1.0\n")
     env = make_task("scored", reward_path=str(tmp_path / "plain.py"))
     env.reset(0, row=ROWS[0])
     assert (env.step("a").reward, env.step("a").is_correct, env.step("a").components) == (1.0, True, {})
+    (tmp_path / "unnamed.py").write_text("def compute_score(s, g, e):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"unnamed.py:compute_score\(s, g, e\): a signature of no known shape; "
+                                         r"expected one of: verl/ours.*TRL.*OpenRLHF.*slime"):
+        make_task("scored", reward_path=str(tmp_path / "unnamed.py"))
 
 
 def test_tasks_by_import_path():

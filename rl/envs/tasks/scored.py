@@ -1,9 +1,9 @@
 """`scored`: a single-turn environment over data rows, rewarded by your own Python function.
 
 The prompt is the row's (a string, or chat messages the driver renders with the tokenizer's chat
-template); the reward is `compute_score(solution_str, ground_truth, extra_info)` from the file
-`reward_path` (verl's reward-function convention: `solution_str` the decoded answer,
-`ground_truth` the row's label, `extra_info` the row's extra columns). It returns a number, or a
+template); the reward is the function `reward_name` of the file `reward_path`, called by keyword
+according to its signature (rl/envs/rewards.py: verl's `compute_score(data_source, solution_str,
+ground_truth, extra_info)` and subsets of it, TRL's, OpenRLHF's, slime's). It returns a number, or a
 dict with a "score" key (the reward) and other numeric entries, each logged as `reward/<name>`;
 the answer counts as correct when the dict's "acc" (or "correct") entry is true, else when
 score >= 1.
@@ -20,7 +20,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rl.envs.data import LABEL, PROMPT
+from rl.envs.data import PROMPT
+from rl.envs.rewards import RewardFunction
 from rl.envs.tasks.base import StepResult, register_task
 
 _LOADED: dict[tuple[str, float, str], Callable] = {}
@@ -78,16 +79,18 @@ class ScoredTask:
     """Python file defining the reward function. It is imported and runs in the trainer's own process with
     its privileges (files, network, GPUs), not in the sandbox: trusted code only."""
     reward_name: str = "compute_score"
-    """Name of the function in that file: (solution_str, ground_truth, extra_info) -> float or dict."""
+    """Name of the function in that file, of one of the shapes rl/envs/rewards.py accepts (verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info), TRL's, OpenRLHF's, slime's)."""
     max_turns: int = 1
     """Single turn."""
-    _fn: Callable = field(init=False, repr=False)
+    _fn: RewardFunction = field(init=False, repr=False)
     _row: dict | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_turns != 1:
             raise ValueError(f"max_turns={self.max_turns}, expected 1 (the scored task is single-turn)")
-        self._fn = load_reward_function(self.reward_path, self.reward_name)
+        self._fn = RewardFunction(load_reward_function(self.reward_path, self.reward_name),
+                                  f"{self.reward_path}:{self.reward_name}")
 
     def reset(self, seed: int, row: dict | None = None) -> str | list[dict]:
         """The row's prompt (messages are returned as they are); `seed` is unused: the row decides."""
@@ -99,5 +102,4 @@ class ScoredTask:
     def step(self, answer: str) -> StepResult:
         if self._row is None:
             raise RuntimeError("step() before reset()")
-        extra = {k: v for k, v in self._row.items() if k not in (PROMPT, LABEL)}
-        return score_result(self._fn(answer, self._row.get(LABEL), extra))
+        return score_result(self._fn.score(answer, self._row))
