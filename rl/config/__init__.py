@@ -77,6 +77,18 @@ class TaskConfig:
         return task_params(self.name, self.params)
 
 
+def task_reads_rows(name: str) -> bool:
+    """Task `name`'s environments take a data row (`reset(seed, row=...)`), as the driver passes it."""
+    from rl.envs.tasks import resolve_task
+
+    factory = resolve_task(name)
+    reset = getattr(factory, "reset", None)
+    try:
+        return reset is None or "row" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):
+        return True
+
+
 def task_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """`params` completed with the defaults of task `name`'s constructor keywords it does not set
     (keywords without a default, *args and **kwargs are left as given)."""
@@ -324,6 +336,10 @@ class RunConfig:
         if self.task.name == "scored" and self.data.enabled and self.data.label_key is None:
             raise ValueError("task.name=scored hands each row's label to compute_score as ground_truth, but "
                              "data.label_key=null; name the column of your labels")
+        if self.data.enabled and not task_reads_rows(self.task.name):
+            raise ValueError(f"data.train_files={list(self.data.train_files)!r} is given, but task.name={self.task.name!r} "
+                             f"generates its own prompts (its reset takes no row) and would ignore them; use "
+                             f"task=scored (your reward on your rows) or a task whose reset(seed, row) reads rows")
         if self.task.name == "scored" and not self.data.enabled:
             raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
                              "the files (jsonl) of your prompts and labels")

@@ -18,6 +18,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 PROMPT, LABEL = "prompt", "label"
 """The keys of a row's prompt and label, whatever the columns are called in the files."""
@@ -30,9 +31,10 @@ class DataExhausted(StopIteration):
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Prompts (and labels) read from files instead of a generated task: the RL run's `data` group."""
-    train_files: list[str] = field(default_factory=list)
-    """Training rows: .jsonl, .parquet or `datasets.save_to_disk` directories; [] = the task generates prompts."""
-    val_files: list[str] = field(default_factory=list)
+    train_files: Any = field(default_factory=list)
+    """Training rows: a list of .jsonl, .parquet or `datasets.save_to_disk` directories (one path alone is a
+    one-file list); [] = the task generates prompts."""
+    val_files: Any = field(default_factory=list)
     """Validation rows, same formats (loaded by `load_rows` like the training ones)."""
     prompt_key: str = "prompt"
     """Column holding the prompt (a dotted path for a nested one): a string, or a list of chat messages
@@ -52,6 +54,11 @@ class DataConfig:
     """Passes over the training rows; None = forever."""
 
     def __post_init__(self) -> None:
+        for name in ("train_files", "val_files"):
+            if isinstance(getattr(self, name), str):  # `data.train_files=x.jsonl`: one file
+                object.__setattr__(self, name, [getattr(self, name)])
+            elif isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, list(getattr(self, name)))
         for name in ("train_files", "val_files", "extra_keys"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):

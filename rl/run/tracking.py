@@ -40,8 +40,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 @dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
-    wandb_mode: str = "offline"
-    """"offline" (files under run_dir, sync later), "online", or "disabled" (wandb never imported)."""
+    wandb_mode: str | None = None
+    """"offline" (files under run_dir, sync later), "online", or "disabled" (wandb never imported); null =
+    the WANDB_MODE environment variable when set (wandb's own "dryrun" = offline, "run" = online), else offline."""
     project: str = "hybridrl"
     """wandb project name."""
     run_name: str | None = None
@@ -52,8 +53,21 @@ class TrackingConfig:
     """Write reward.png and memory.png in `finish`."""
 
     def __post_init__(self) -> None:
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"TrackingConfig.wandb_mode={self.wandb_mode!r}; allowed: {', '.join(WANDB_MODES)}")
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"TrackingConfig.wandb_mode={self.wandb_mode!r}; allowed: {', '.join(WANDB_MODES)} or null")
+        self.mode  # a bad WANDB_MODE is named now
+
+    @property
+    def mode(self) -> str:
+        """The wandb mode the run uses (`wandb_mode`, else WANDB_MODE, else offline)."""
+        if self.wandb_mode is not None:
+            return self.wandb_mode
+        env = os.environ.get("WANDB_MODE", "").strip().lower()
+        mode = {"": "offline", "dryrun": "offline", "run": "online"}.get(env, env)
+        if mode not in WANDB_MODES:
+            raise ValueError(f"WANDB_MODE={env!r} (tracking.wandb_mode=null reads it); allowed: "
+                             f"{', '.join(WANDB_MODES)}, dryrun, run")
+        return mode
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -123,14 +137,14 @@ class Tracker:
                 if resume_from_iteration is not None:
                     records = [r for r in records if r["iteration"] <= resume_from_iteration]
                 _rewrite(path, records)
-        if config.wandb_mode != "disabled":
+        if config.mode != "disabled":
             import wandb
 
             id_path = self.run_dir / "wandb_id.txt"
             if not id_path.exists():
                 id_path.write_text(uuid.uuid4().hex[:16] + "\n", encoding="utf-8")
             self._wandb_run = wandb.init(project=config.project, name=config.run_name, dir=str(self.run_dir),
-                                         mode=config.wandb_mode, config=run_config,
+                                         mode=config.mode, config=run_config,
                                          id=id_path.read_text(encoding="utf-8").strip(), resume="allow")
 
     def add_probe(self, probe: Callable[[], dict[str, float]]) -> None:

@@ -83,7 +83,7 @@ def test_load_errors_name_the_file_row_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [({"epochs": 0}, "epochs=0"), ({"max_prompt_tokens": -1}, "max_prompt_tokens=-1"),
-                                        ({"train_files": "a.jsonl"}, "train_files='a.jsonl'"),
+                                        ({"train_files": 3}, "train_files=3"), ({"val_files": [""]}, "val_files=\[''\]"),
                                         ({"extra_keys": ["label"]}, "extra_keys"), ({"prompt_key": ""}, "prompt_key")])
 def test_config_rejects_bad_values_by_name(bad, match):
     with pytest.raises(ValueError, match=match):
