@@ -22,7 +22,7 @@ import json
 import os
 import re
 from dataclasses import MISSING as FIELD_MISSING
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
@@ -336,6 +336,8 @@ class RunConfig:
         if self.task.name == "scored" and self.data.enabled and self.data.label_key is None:
             raise ValueError("task.name=scored hands each row's label to compute_score as ground_truth, but "
                              "data.label_key=null; name the column of your labels")
+        if self.eval.before_train is None:  # null: evaluate before training when there are validation rows
+            object.__setattr__(self, "eval", replace(self.eval, before_train=bool(self.data.val_files)))
         if self.data.enabled and not task_reads_rows(self.task.name):
             raise ValueError(f"data.train_files={list(self.data.train_files)!r} is given, but task.name={self.task.name!r} "
                              f"generates its own prompts (its reset takes no row) and would ignore them; use "

@@ -46,6 +46,7 @@ import inspect
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,9 @@ class EvalConfig:
     """When and how the run evaluates its policy on held-out episodes (rl/episodes/validation.py)."""
     every: int | None = None
     """Evaluate at iterations N, 2N, ... (the policy after N, 2N, ... updates); None = never."""
-    before_train: bool = False
-    """Evaluate at iteration 0, before any update (verl's val_before_train)."""
+    before_train: bool | None = None
+    """Evaluate at iteration 0, before any update (verl's val_before_train); null = on when data.val_files
+    are given. Any evaluating run also evaluates the weights after its last update."""
     n: int = 1
     """Samples per prompt (the k of pass@k and mean@k); greedy (temperature 0) plays n identical ones."""
     temperature: float = 0.0
@@ -105,9 +107,13 @@ class EvalConfig:
             raise ValueError(f"temperature={self.temperature!r}, expected a finite number >= 0 (0 = greedy)")
         if isinstance(self.top_p, bool) or not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r}, expected a number in (0, 1]")
-        for name in ("before_train", "dump"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}, expected true or false")
+        if self.before_train is not None and not isinstance(self.before_train, bool):
+            raise ValueError(f"before_train={self.before_train!r}, expected true, false or null")
+        if not isinstance(self.dump, bool):
+            raise ValueError(f"dump={self.dump!r}, expected true or false")
+        if self.n > 1 and self.temperature == 0:
+            warnings.warn(f"eval.n={self.n} with eval.temperature=0 (greedy) plays {self.n} identical samples: pass@{self.n} "
+                          f"equals pass@1; set eval.temperature > 0 (e.g. 0.7) to sample, or eval.n=1", UserWarning)
 
     def is_due(self, iteration: int) -> bool:
         """Whether iteration `iteration` starts with an evaluation (after its weight load)."""

@@ -111,6 +111,8 @@ class LoopParts:
     """Validation (rl/episodes/validation.py `evaluator`): called with the iteration when eval.every /
     eval.before_train make it due, plays this rank's share of the held-out episodes on the freshly
     loaded weights and returns `val/...` metrics; None = never."""
+    final_val: dict[str, float] = field(default_factory=dict)
+    """The validation of the weights after the run's last update (`run_loop`), over all ranks; {} = none."""
 
     @property
     def device(self) -> torch.device:
@@ -225,7 +227,30 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         idle = _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
         if exhausted:
             break
+    if history and p.evaluate is not None and (cfg.eval.every is not None or cfg.eval.before_train):
+        p.final_val = _final_eval(p, phases, it + 1)
     return history
+
+
+def _final_eval(p: LoopParts, phases: "Phases", it: int) -> dict[str, float]:
+    """Validation of the weights after the last update (`it` = the updates made, as every evaluation's
+    iteration counts them): the engine woken and loaded with them, the held-out episodes played, the
+    figures merged over the ranks, printed and sent to wandb (metrics.jsonl keeps one line per iteration)."""
+    _host_in(p, phases, it)
+    if p.engine.is_asleep:
+        with phases(it, "wake"):
+            p.engine.wake()
+    with phases(it, "load_weights", moved=0 if p.engine.model is p.policy else _tensor_bytes(p.policy.parameters())):
+        _sync_weights(p, version=it + 1)
+    with phases(it, "eval"):
+        val = p.evaluate(it)
+    val = merge_metrics(p.ranks.all_gather(val)) if p.ranks.world > 1 else val
+    phases.seconds.clear()
+    shown = "  ".join(f"{k[4:]} {v:.3f}" for k, v in val.items() if k in ("val/reward_mean", "val/correct_frac")
+                      or k.startswith("val/pass@"))
+    p.tracker.console.print(f"validation after the last update (iteration {it}): {shown}")
+    p.tracker.log_wandb(it, val)
+    return val
 
 
 def _groups_in_flight(p: LoopParts) -> int | None:
@@ -288,7 +313,8 @@ def _print_iteration(p: LoopParts, it: int, iterations: int, metrics: dict[str, 
     if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
         console.print(f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "
                       f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
-                      f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s")
+                      f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s"
+                      + (f"  val reward {metrics['val/reward_mean']:.3f}" if "val/reward_mean" in metrics else ""))
     for error in errors:
         console.print(f"[yellow]dropped[/yellow] {escape(error)}")  # "[c]" is an answer, not markup
     if exhausted:

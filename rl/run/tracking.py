@@ -164,6 +164,11 @@ class Tracker:
         if self._wandb_run is not None:
             self._wandb_run.log(clean, step=int(iteration))
 
+    def log_wandb(self, iteration: int, metrics: dict[str, float]) -> None:
+        """Send figures to wandb only (at step=iteration), not to metrics.jsonl: the final validation."""
+        if self.writer and self._wandb_run is not None:
+            self._wandb_run.log({name: _check_number(name, value) for name, value in metrics.items()}, step=int(iteration))
+
     def log_phase(self, iteration: int, phase: str, seconds: float, bytes_moved: int,
                   memory: dict[str, int]) -> None:
         """Append one memory-timeline record to phases.jsonl (durable on return)."""

@@ -10,7 +10,7 @@ REWARD = "def compute_score(solution_str, ground_truth):\n    return float(solut
 
 @pytest.fixture()
 def files(tmp_path):
-    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "label": "b"}\n')
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "label": "b"}\n{"prompt": "c", "label": "d"}\n')
     (tmp_path / "reward.py").write_text(REWARD)
     return tmp_path
 
@@ -37,3 +37,24 @@ def test_wandb_mode_comes_from_the_environment_unless_set(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "sideways")
     with pytest.raises(ValueError, match="WANDB_MODE='sideways'"):
         TrackingConfig()
+
+
+def test_validation_before_training_every_n_and_after_the_last_update(files, tmp_path, capsys):
+    import json
+
+    from rl.train import run
+
+    with pytest.warns(UserWarning, match="eval.n=2 with eval.temperature=0 .* identical samples"):
+        cfg = composed("task=scored", f"data.train_files={files / 'train.jsonl'}", f"data.val_files={files / 'train.jsonl'}",
+                       f"task.params.reward_path={files / 'reward.py'}", "experiment.iterations=3", "eval.every=2",
+                       "eval.n=2", "eval.num_prompts=2", "rollout.groups_per_iteration=1", "algo.group_size=2",
+                       "rollout.max_new_tokens=2", "tracking.wandb_mode=disabled", "tracking.plots=false",
+                       f"run_dir={tmp_path / 'run'}")
+    assert cfg.eval.before_train  # null becomes on: validation rows are given
+    history = run(cfg)
+    assert ["val/reward_mean" in h for h in history] == [True, False, True]  # before training, then every 2
+    assert sorted(p.name for p in (tmp_path / "run" / "val").iterdir()) == ["iter_0.jsonl", "iter_2.jsonl", "iter_3.jsonl"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["final_val/reward_mean"] <= 1.0 and summary["final_val/num_prompts"] == 2
+    out = capsys.readouterr().out
+    assert "validation after the last update (iteration 3)" in out and "val reward" in out
