@@ -17,7 +17,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from rl.run.tracking import read_jsonl
+from trainer.losses import lookup
 from trainer.ref_stream import StreamedReference
 
 
@@ -113,3 +116,36 @@ def run_summary(run_dir: str | Path, warmup: dict | None = None, ceiling: float 
     if ceiling is not None:
         out["constant_answer_ceiling"] = ceiling
     return {**out, **mechanism_figures(records, read_jsonl(run_dir / "phases.jsonl"))}
+
+
+def rollout_statistics(groups: list[tuple[int, list[tuple[float, int, int, int]]]], max_new_tokens: int,
+                       advantage: str) -> dict[str, float]:
+    """What RL users read first about an iteration's finished trajectories, from each group's members as
+    (reward, response tokens, first-prompt tokens, longest turn's tokens), over all ranks:
+    `response_length/mean|max`, `response_length/clip_frac` (a turn stopped at max_new_tokens),
+    `prompt_length/mean`, `reward/std`, `groups_zero_std_frac` (groups whose members all scored alike: no
+    signal for a group advantage), `advantage/mean|std` (the run's estimator). {} without trajectories."""
+    members = [m for _, ms in groups for m in ms]
+    if not members:
+        return {}
+    rewards = torch.tensor([m[0] for m in members], dtype=torch.float64)
+    response = torch.tensor([m[1] for m in members], dtype=torch.float64)
+    estimator = lookup("advantage", advantage)
+    advs = torch.cat([estimator(torch.tensor([m[0] for m in ms], dtype=torch.float32), len(ms)) for _, ms in groups])
+    return {"response_length/mean": response.mean().item(), "response_length/max": response.max().item(),
+            "response_length/clip_frac": sum(m[3] >= max_new_tokens for m in members) / len(members),
+            "prompt_length/mean": sum(m[2] for m in members) / len(members),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "groups_zero_std_frac": sum(len({m[0] for m in ms}) == 1 for _, ms in groups) / len(groups),
+            "advantage/mean": advs.double().mean().item(), "advantage/std": advs.double().std(unbiased=False).item()}
+
+
+def trajectory_lengths(traj) -> tuple[int, int, int]:
+    """(response tokens, first-prompt tokens, longest turn's tokens) of a trajectory: its policy tokens, the
+    tokens before the first of them, the longest run of them."""
+    longest = run = 0
+    for sampled in traj.policy:
+        run = run + 1 if sampled else 0
+        longest = max(longest, run)
+    first = next((i for i, sampled in enumerate(traj.policy) if sampled), len(traj.policy))
+    return sum(traj.policy), first, longest

@@ -59,6 +59,7 @@ from rl.config import RunConfig
 from rl.config.resume import resolved_config
 from rl.episodes.driver import DROP_REASONS, RolloutDriver, RolloutResult
 from rl.run.checkpoint import save_iteration
+from rl.run.figures import rollout_statistics, trajectory_lengths
 from rl.run.ranks import CHECKSUM_BITS, Ranks, merge_metrics, require_same, weights_checksum
 from rl.run.tracking import Tracker
 from rl.run.update import PackedBatch, policy_update, reference_logprobs
@@ -379,6 +380,7 @@ def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, floa
              # (group, rewards, correct): correct is the environment's is_correct, else reward >= 1
              "rewards": [(g[0].group_id, [t.reward for t in g],
                           [t.reward >= 1.0 if t.is_correct is None else t.is_correct for t in g]) for g in groups],
+             "members": [(g[0].group_id, [(t.reward, *trajectory_lengths(t)) for t in g]) for g in groups],
              "errors": list(rollout.errors)}
     gathered = p.ranks.all_gather(local)
     metrics = merge_metrics([r["metrics"] for r in gathered]) if p.ranks.world > 1 else local["metrics"]
@@ -386,6 +388,8 @@ def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, floa
     rewards = [x for _, rs, _ in ordered for x in rs]
     correct = [c for _, _, cs in ordered for c in cs]
     errors = [(f"rank {rank}: " if p.ranks.world > 1 else "") + e for rank, r in enumerate(gathered) for e in r["errors"]]
+    members = sorted((g for r in gathered for g in r["members"]), key=lambda g: g[0])
+    metrics.update(rollout_statistics(members, p.cfg.rollout.max_new_tokens, p.cfg.algo.advantage))
     metrics.update(groups_trained=float(sum(len(r["rewards"]) for r in gathered)),
                    reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
                    reward_correct_frac=sum(correct) / len(correct) if correct else float("nan"),

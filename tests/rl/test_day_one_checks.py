@@ -53,8 +53,25 @@ def test_validation_before_training_every_n_and_after_the_last_update(files, tmp
     assert cfg.eval.before_train  # null becomes on: validation rows are given
     history = run(cfg)
     assert ["val/reward_mean" in h for h in history] == [True, False, True]  # before training, then every 2
+    assert all({"response_length/mean", "reward/std", "groups_zero_std_frac", "advantage/std"} <= set(h) for h in history)
     assert sorted(p.name for p in (tmp_path / "run" / "val").iterdir()) == ["iter_0.jsonl", "iter_2.jsonl", "iter_3.jsonl"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert 0.0 <= summary["final_val/reward_mean"] <= 1.0 and summary["final_val/num_prompts"] == 2
     out = capsys.readouterr().out
     assert "validation after the last update (iteration 3)" in out and "val reward" in out
+
+
+def test_rollout_statistics_by_hand():
+    from types import SimpleNamespace
+
+    from rl.run.figures import rollout_statistics, trajectory_lengths
+
+    traj = SimpleNamespace(policy=[False, False, True, True, False, True, True, True])  # prompt 2, turns of 2 and 3
+    assert trajectory_lengths(traj) == (5, 2, 3)
+    groups = [(0, [(1.0, 4, 10, 4), (0.0, 2, 10, 2)]), (1, [(0.5, 3, 6, 3), (0.5, 1, 6, 1)])]
+    figures = rollout_statistics(groups, max_new_tokens=4, advantage="grpo")
+    assert figures["response_length/mean"] == 2.5 and figures["response_length/max"] == 4
+    assert figures["response_length/clip_frac"] == 0.25 and figures["prompt_length/mean"] == 8
+    assert figures["reward/std"] == pytest.approx(0.3535534, rel=1e-6)  # rewards 1, 0, .5, .5
+    assert figures["groups_zero_std_frac"] == 0.5  # group 1's members scored alike
+    assert figures["advantage/mean"] == pytest.approx(0.0, abs=1e-6) and figures["advantage/std"] > 0
