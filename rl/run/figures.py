@@ -118,6 +118,11 @@ def run_summary(run_dir: str | Path, warmup: dict | None = None, ceiling: float 
     return {**out, **mechanism_figures(records, read_jsonl(run_dir / "phases.jsonl"))}
 
 
+ROLLOUT_STATISTICS = ("response_length/mean", "response_length/max", "response_length/clip_frac", "prompt_length/mean",
+                      "reward/std", "groups_zero_std_frac", "advantage/mean", "advantage/std")
+"""`rollout_statistics`' keys: computed from every rank's trajectories after the merge (global already)."""
+
+
 def rollout_statistics(groups: list[tuple[int, list[tuple[float, int, int, int]]]], max_new_tokens: int,
                        advantage: str) -> dict[str, float]:
     """What RL users read first about an iteration's finished trajectories, from each group's members as

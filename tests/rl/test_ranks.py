@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
+from rl.run.figures import ROLLOUT_STATISTICS
 from rl.run.ranks import Ranks, merge_metrics, require_same, weights_checksum
 from rl.episodes.driver import DriverConfig, RolloutDriver
 from rl.train import run
@@ -82,7 +83,8 @@ def test_every_metric_a_run_with_every_mechanism_logs_has_a_merge_rule(tmp_path)
     history = run(composed(f"run_dir={tmp_path}", "experiment=cpu_demo", "experiment.iterations=3",
                            "warmup.steps=0", "tracking.wandb_mode=disabled",
                            "tracking.progress=false", "tracking.plots=false"))
-    after_merge = {"groups_trained", "reward_mean", "reward_correct_frac", "engine_checksum"}  # global already
+    after_merge = {"groups_trained", "reward_mean", "reward_correct_frac", "engine_checksum",
+                   *ROLLOUT_STATISTICS}  # global already
     for metrics in history:
         merged = {k: v for k, v in metrics.items() if k not in after_merge}
         assert merge_metrics([merged, merged]).keys() == merged.keys()
