@@ -261,11 +261,24 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _file_mode() -> int:
+    """0o666 less this process's umask (read from /proc, since os.umask can only be read by setting it,
+    which races with other threads creating files), as `open` would create a file."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = 0o022
+    return 0o666 & ~mask
+
+
 def _atomic_write(path: Path, write) -> None:
     """`write(tmp)` to a temporary name, fsync it, rename it over `path` (its directory is fsynced
-    once by the caller, after all renames)."""
+    once by the caller, after all renames). The file gets the mode `open` would give it (safetensors
+    creates its files 0600): others may read an export, as the umask says."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    os.chmod(tmp, _file_mode())
     _fsync(tmp)
     os.replace(tmp, path)
 

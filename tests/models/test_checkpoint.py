@@ -147,3 +147,19 @@ def test_bf16_model_runs_with_fp32_recurrent_state(hf_checkpoint):
     assert err < 0.15  # transformers' own bf16 run of these weights is ~5e-2 off its fp32 run
     assert out.states[0].kda[0].recurrent.dtype == torch.float32
     assert out.states[0].mla[3].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_weight_files_get_the_mode_the_umask_gives(hf_checkpoint, tmp_path, umask, mode):
+    import os
+    import stat
+
+    src, _ = hf_checkpoint(True, None, 4)
+    before = os.umask(umask)
+    try:
+        out = save_checkpoint(load_checkpoint(src), tmp_path / "out", max_shard_bytes=20_000)
+    finally:
+        os.umask(before)
+    files = sorted(out.iterdir())
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: mode for f in files}
