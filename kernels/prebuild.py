@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from kernels.jit import announce_build
+from kernels.jit import building
 
 def _fused_cpu() -> None:
     from kernels.cpu import available
@@ -45,15 +45,15 @@ def main() -> int:
     failed = 0
     for name, what, build in OPS:
         t0 = time.perf_counter()
-        already = announce_build(name, what)
         try:
-            build()
+            with building(name, what) as already:
+                build()
         except Exception as err:  # noqa: BLE001 - reported; the run falls back
             failed += 1
             print(f"prebuild: {what}: FAILED ({type(err).__name__}: {err}); runs will use the fallback",
                   file=sys.stderr)
             continue
-        print(f"prebuild: {what}: {'cached' if already else f'built in {time.perf_counter() - t0:.0f} s'}")
+        print(f"prebuild: {what}: {'built and current' if already else f'built in {time.perf_counter() - t0:.0f} s'}")
     return failed
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.jit import announce_build
+from kernels.jit import building
 from memory.spill_format import CorruptSpill, Manifest, spill_chunks, new_hasher
 
 _PIECE_BYTES = 4 << 20  # copy+checksum granularity inside a chunk (stays in L2/L3)
@@ -63,8 +63,8 @@ def load_aio_op():
         if not builder.is_compatible(verbose=False):
             raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio-dev missing? "
                                "`apt-get install libaio-dev`, or `make install` as root)")
-        announce_build("async_io", "DeepSpeed's async_io op (NVMe store)")
-        _AIO_MODULE = builder.load(verbose=False)
+        with building("async_io", "DeepSpeed's async_io op (NVMe store)"):
+            _AIO_MODULE = builder.load(verbose=False)
     return _AIO_MODULE
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.jit import announce_build
+from kernels.jit import building
 from memory.nvme_store import NvmeStore
 from memory.pinned import pinned_empty
 from trainer.shards import Bucket, reshard
@@ -90,8 +90,8 @@ def make_host_adam(params: list[nn.Parameter], config: OptimizerConfig) -> tuple
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            announce_build("cpu_adam", "DeepSpeed's cpu_adam op (host optimizer)")
-            return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs), "deepspeed"
+            with building("cpu_adam", "DeepSpeed's cpu_adam op (host optimizer)"):
+                return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs), "deepspeed"
         except Exception as err:  # the op's JIT build can fail for many reasons (compiler, headers)
             if config.backend == "deepspeed":
                 raise RuntimeError(f"DeepSpeed CPU Adam could not be built or loaded: {err}") from err

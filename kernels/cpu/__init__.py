@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from kernels.jit import announce_build
+from kernels.jit import building
 
 _SOURCE = Path(__file__).with_name("kda_cpu.cpp")
 _NAME = "hybridrl_kda_cpu"
@@ -24,10 +24,8 @@ def ops():
         try:
             from torch.utils.cpp_extension import load
 
-            announce_build(_NAME, f"the fused CPU kernels ({_SOURCE.name})")
-            _state["module"] = load(name=_NAME, sources=[str(_SOURCE)],
-                                    extra_cflags=["-O3"],
-                                    verbose=False)
+            with building(_NAME, f"the fused CPU kernels ({_SOURCE.name})"):
+                _state["module"] = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=False)
         except Exception as err:  # no compiler, no headers: the torch path still works
             warnings.warn(f"fused CPU kernels unavailable ({type(err).__name__}: {err}); using impl='naive'",
                           RuntimeWarning, stacklevel=2)
