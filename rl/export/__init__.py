@@ -9,10 +9,12 @@ the same layout) load:
     model.safetensors                  the weights in Moonshot's on-disk layout (models/checkpoint.py),
       or model-0000i-of-0000n.safetensors + model.safetensors.index.json when they exceed one shard
                                        (the index: {"metadata": {"total_size"}, "weight_map"})
-    generation_config.json             bos/eos/pad ids and the run's sampling (temperature, top_p, top_k)
-    README.txt                         where it came from, and the tokenizer: a Hugging Face tokenizer
-                                       directory's files are copied beside it; the byte tokenizer has no
-                                       files, so README.txt spells out its ids instead
+    generation_config.json             the run tokenizer's bos/pad ids, its eos and end-of-turn ids (config.json
+                                       carries the same bos/eos/pad), and the run's sampling (temperature, top_p, top_k)
+    tokenizer files                    a Hugging Face tokenizer directory's files, copied; the byte tokenizer
+                                       written as a byte-level tokenizer.json (rl/export/tokenizer.py): either
+                                       loads with transformers' AutoTokenizer, chat template included
+    README.txt                         where it came from, and the tokenizer
 
 The checkpoint's weights are already in the on-disk layout, so tensors are streamed from its
 safetensors into the shards one at a time (host memory: one shard), cast to `dtype` except the
@@ -46,6 +48,7 @@ from models.checkpoint import INDEX_FILE, SINGLE_FILE, to_disk_name
 from models.config import ModelConfig
 from models.precision import KEEP_FP32, parse_dtype
 from models.tokenizer import ByteTokenizer
+from rl.export.tokenizer import special_ids, write_byte_tokenizer
 
 RUN_CONFIG = "run_config.json"
 """The run's resolved config, stored in every checkpoint (rl/run/checkpoint.py writes it)."""
@@ -177,9 +180,11 @@ def _copy_tokenizer(tokenizer: str | None, tmp: Path) -> tuple[list[str], str]:
     if tokenizer in (None, "byte"):
         byte = ByteTokenizer()
         what = "the run's tokenizer was not recorded" if tokenizer is None else "the run used the byte tokenizer"
-        return [], (f"Tokenizer: none written ({what}). The byte tokenizer (models/tokenizer.py) needs no files: "
-                    f"ids 0..255 are the UTF-8 bytes of the text, {byte.bos_token_id} is bos (prepended to a "
-                    f"prompt), {byte.eos_token_id} eos, {byte.pad_token_id} pad; decode by dropping ids >= 256.")
+        written = write_byte_tokenizer(tmp)
+        return written, (f"Tokenizer: the byte tokenizer ({what}) as a byte-level tokenizer.json ({', '.join(written)}): "
+                         f"ids 0..255 are the UTF-8 bytes of the text, {byte.bos_token_id} is bos (prepended to a "
+                         f"prompt), {byte.eos_token_id} eos, {byte.pad_token_id} pad; its chat template renders a "
+                         f"conversation as the run did (bos, then the contents).")
     source = Path(tokenizer)
     if not source.is_dir():
         raise ExportError(f"tokenizer={tokenizer!r} (the run's tokenizer.path) is not a directory here; pass "
@@ -219,8 +224,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
     try:
         copied, tokenizer_note = _copy_tokenizer(tokenizer, tmp)
         files, total = _write_weights(checkpoint, tmp, torch_dtype, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config(config, torch_dtype), indent=2) + "\n")
-        gen = generation_config(config, run_config)
+        ids = special_ids(tokenizer)  # the run tokenizer's, which the model was trained with
+        hf = hf_config(config, torch_dtype) | {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        gen = generation_config(config, run_config) | {
+            "bos_token_id": ids["bos_token_id"], "pad_token_id": ids["pad_token_id"],
+            "eos_token_id": ids["stop_token_ids"] if len(ids["stop_token_ids"]) > 1 else ids["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         (tmp / "README.txt").write_text(
             f"Exported from {checkpoint.resolve()} by `python -m rl.export`: a kimi_linear model for "

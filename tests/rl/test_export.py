@@ -16,7 +16,7 @@ from tests.models.conftest import rel_err
 from tests.rl.test_config import composed
 
 sys.modules.setdefault("fla", None)  # transformers' torch fallbacks, not fla's kernels (tests/models/hf_reference.py)
-from transformers import KimiLinearForCausalLM  # noqa: E402
+from transformers import AutoTokenizer, KimiLinearForCausalLM  # noqa: E402
 
 SMALL = ["tracking.wandb_mode=disabled", "tracking.progress=false", "rollout.groups_per_iteration=2",
          "algo.group_size=2", "rollout.max_new_tokens=2", "experiment.num_threads=1"]
@@ -53,9 +53,15 @@ def batch(vocab_size: int) -> torch.Tensor:
 def test_fp32_export_loads_into_transformers_with_our_logits(run_dir, tmp_path, capsys):
     assert main([f"run_dir={run_dir}", "dtype=fp32", f"out={tmp_path / 'fp32'}"]) == 0
     out = tmp_path / "fp32"
-    assert "byte tokenizer" in capsys.readouterr().out  # the log says why no tokenizer files were written
-    assert sorted(p.name for p in out.iterdir()) == ["README.txt", "config.json", "generation_config.json",
-                                                      SINGLE_FILE]
+    assert "byte tokenizer" in capsys.readouterr().out  # the log says which tokenizer was written
+    assert {"README.txt", "config.json", "generation_config.json", SINGLE_FILE, "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    tok = AutoTokenizer.from_pretrained(out)  # the byte tokenizer, as transformers loads it
+    assert tok("héllo").input_ids == [256, *"héllo".encode()] and tok.decode([256, *"héllo".encode(), 257],
+                                                                               skip_special_tokens=True) == "héllo"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert tok(text, add_special_tokens=False).input_ids == [256, *b"hi"]  # the run's plain rendering
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
     ours = load_checkpoint(run_dir / "checkpoints" / LAST)  # the default iteration: the newest
     hf = KimiLinearForCausalLM.from_pretrained(out).eval()
     config = json.loads((out / "config.json").read_text())
@@ -212,3 +218,32 @@ def test_models_transformers_would_compute_differently_are_refused(run_dir, tmp_
 def test_export_every_must_be_positive():
     with pytest.raises(ValueError, match=r"checkpoint\.export_every=0, expected >= 1 or null"):
         composed("checkpoint.export_every=0")
+
+
+def test_an_export_carries_its_tokenizers_ids_and_transformers_generate_stops_at_its_eos(run_dir, tmp_path):
+    """A run with a Hugging Face tokenizer (bos 0, eos 1, pad 2, <|im_end|> 4 ending a chat turn): the export's
+    config.json and generation_config.json carry those ids, not the byte tokenizer's 256/257/258, so
+    transformers' generate stops when the model emits eos (forced here after two new tokens)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tests.tokenizer_dirs import BOS, EOS, IM_END, PAD, build_bpe_tokenizer
+
+    source = build_bpe_tokenizer(tmp_path / "tok")
+    out = export_checkpoint(run_dir / "checkpoints" / LAST, tmp_path / "out", dtype="fp32", tokenizer=str(source))
+    config, gen = (json.loads((out / name).read_text()) for name in ("config.json", "generation_config.json"))
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (BOS, EOS, PAD)
+    assert (gen["bos_token_id"], gen["pad_token_id"]) == (BOS, PAD) and set(gen["eos_token_id"]) == {EOS, IM_END}
+
+    class EosAfterTwo(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] >= 5:
+                scores = torch.full_like(scores, float("-inf"))
+                scores[:, EOS] = 0.0
+            return scores
+
+    hf = KimiLinearForCausalLM.from_pretrained(out).eval()
+    prompt = torch.tensor([[BOS, 10, 11]])
+    with torch.no_grad():
+        ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, logits_processor=LogitsProcessorList([EosAfterTwo()]))
+    assert ids.shape[1] == 6 and ids[0, -1].item() == EOS  # two tokens, then eos, then it stopped
+    assert AutoTokenizer.from_pretrained(out).eos_token_id == EOS
