@@ -4,6 +4,7 @@ import sys
 
 from models.tokenizer import load_tokenizer
 from rl.config import compose_run_config
+from rl.config.checks import check_tokenizer
 from rl.envs.data import LABEL, PROMPT, load_rows
 from rl.envs.tasks import make_task
 from rl.episodes.runner import render_prompt
@@ -19,6 +20,7 @@ def preview(overrides: list[str], say=print, sample_rows: int = 100) -> dict[str
     if not cfg.data.train_files and not cfg.data.val_files:
         raise ValueError("data.train_files and data.val_files are empty: expected the files to check")
     tokenizer = load_tokenizer(cfg.tokenizer)
+    check_tokenizer(cfg, tokenizer)  # as rl.train's build does: the same refusal, before any row is read
 
     def encode(prompt):
         return render_prompt(tokenizer, prompt)

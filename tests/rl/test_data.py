@@ -146,3 +146,16 @@ def test_the_data_command_previews_each_split_and_scores_the_labels(tmp_path, mo
     assert "no rows in ['train.jsonl'] (5 longer than max_prompt_tokens=3)" in capsys.readouterr().err
     assert main(["experiment=single_turn"]) == 2
     assert "data.train_files and data.val_files are empty" in capsys.readouterr().err
+
+
+def test_the_data_command_refuses_a_tokenizer_larger_than_the_model_as_the_run_does(tmp_path, monkeypatch, capsys):
+    from rl.data import main
+    from tests.tokenizer_dirs import build_bpe_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1", "label": "2"}])
+    (tmp_path / "reward.py").write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    tok = build_bpe_tokenizer(tmp_path / "tok")  # 320 tokens; the tiny model embeds 259
+    assert main(["experiment=single_turn", "task=scored", "data.train_files=[train.jsonl]",
+                 "task.params.reward_path=reward.py", f"tokenizer.path={tok}"]) == 2
+    assert "has 320 tokens but the model's vocab_size is 259" in capsys.readouterr().err
