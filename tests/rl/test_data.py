@@ -1,5 +1,7 @@
 """Data rows from files (rl/envs/data.py): formats, load errors, the sampler's order and resume position."""
 import json
+import re
+
 import pytest
 
 from rl.envs.data import DataConfig, DataExhausted, RowSampler, load_rows
@@ -155,7 +157,7 @@ def test_the_data_command_refuses_a_tokenizer_larger_than_the_model_as_the_run_d
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1", "label": "2"}])
     (tmp_path / "reward.py").write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
-    tok = build_bpe_tokenizer(tmp_path / "tok")  # 320 tokens; the tiny model embeds 259
+    tok = build_bpe_tokenizer(tmp_path / "tok")  # ~310 tokens; the tiny model embeds 259
     assert main(["experiment=single_turn", "task=scored", "data.train_files=[train.jsonl]",
                  "task.params.reward_path=reward.py", f"tokenizer.path={tok}"]) == 2
-    assert "has 320 tokens but the model's vocab_size is 259" in capsys.readouterr().err
+    assert re.search(r"has 3\d\d tokens but the model's vocab_size is 259", capsys.readouterr().err)
