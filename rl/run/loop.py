@@ -191,6 +191,7 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
     `fault(iteration, phase)` is called as each phase starts (`Phases`)."""
     p, cfg, history, idle = parts, parts.cfg, [], 0
     phases = Phases(p, fault=fault)
+    p.tracker.run_started(start, iterations)
     for it in range(start, iterations):
         _host_in(p, phases, it)
         if p.engine.is_asleep:
@@ -312,7 +313,8 @@ def _print_iteration(p: LoopParts, it: int, iterations: int, metrics: dict[str, 
         console.print(f"[yellow]iteration {it}: update skipped[/yellow] (non-finite loss or gradient "
                       f"norm {train.get('grad_norm', float('nan')):.3g}; weights and optimizer unchanged)")
     if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
-        console.print(f"iter {it:>4}  reward {metrics['reward_mean']:.3f}  correct {metrics['reward_correct_frac']:.3f}  "
+        console.print(f"iter {it:>4}  {p.tracker.run_progress(it)}  reward {metrics['reward_mean']:.3f}  "
+                      f"correct {metrics['reward_correct_frac']:.3f}  "
                       f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
                       f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s"
                       + (f"  val reward {metrics['val/reward_mean']:.3f}" if "val/reward_mean" in metrics else ""))

@@ -164,6 +164,19 @@ class Tracker:
         if self._wandb_run is not None:
             self._wandb_run.log(clean, step=int(iteration))
 
+    def run_started(self, start: int, iterations: int) -> None:
+        """The loop starts at iteration `start` of `iterations`: the clock of `run_progress`."""
+        self._run_clock = (time.monotonic(), start, iterations)
+
+    def run_progress(self, iteration: int) -> str:
+        """The run-level progress after iteration `iteration`: "[done/total, s/it, time left]" (the rate
+        of this start's iterations; a resume's earlier ones are not timed)."""
+        t0, start, total = getattr(self, "_run_clock", (time.monotonic(), iteration, iteration + 1))
+        done = iteration + 1 - start
+        rate = (time.monotonic() - t0) / max(done, 1)
+        left = rate * (total - iteration - 1)
+        return f"[{iteration + 1}/{total} {rate:.1f}s/it {int(left) // 60}m{int(left) % 60:02d}s left]"
+
     def log_wandb(self, iteration: int, metrics: dict[str, float]) -> None:
         """Send figures to wandb only (at step=iteration), not to metrics.jsonl: the final validation."""
         if self.writer and self._wandb_run is not None:

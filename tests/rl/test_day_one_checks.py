@@ -75,3 +75,13 @@ def test_rollout_statistics_by_hand():
     assert figures["reward/std"] == pytest.approx(0.3535534, rel=1e-6)  # rewards 1, 0, .5, .5
     assert figures["groups_zero_std_frac"] == 0.5  # group 1's members scored alike
     assert figures["advantage/mean"] == pytest.approx(0.0, abs=1e-6) and figures["advantage/std"] > 0
+
+
+def test_the_run_progress_says_done_rate_and_time_left(monkeypatch):
+    from rl.run import tracking
+
+    tracker = tracking.Tracker.__new__(tracking.Tracker)
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: 100.0)
+    tracker.run_started(start=2, iterations=12)
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: 130.0)
+    assert tracker.run_progress(4) == "[5/12 10.0s/it 1m10s left]"  # 3 iterations in 30 s, 7 to go
