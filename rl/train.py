@@ -114,6 +114,8 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         # the best a constant answer scores, where the task states it: the bar a rising reward must clear
         ceiling = getattr(make_task(cfg.task.name, **cfg.task.params), "constant_answer_ceiling", None)
         final_val = {f"final_{k}": v for k, v in parts.final_val.items()}  # the weights after the last update
+        if final_val:
+            final_val["final_val/iteration"] = float(start + len(history))  # the updates the weights had
         parts.tracker.finish(run_summary(run_dir, warmup, ceiling) | final_val, warmup=warmup, ceiling=ceiling)
     ranks.barrier()  # rank 0's files are complete when any rank returns
     return history

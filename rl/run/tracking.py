@@ -209,7 +209,9 @@ class Tracker:
             return
         if self.config.plots:
             metrics, phases = read_jsonl(self.metrics_path), read_jsonl(self.phases_path)
-            _plot_reward(metrics, self.run_dir / "reward.png", warmup, ceiling)
+            final = (int(summary["final_val/iteration"]), summary["final_val/reward_mean"]) if (
+                "final_val/reward_mean" in summary and "final_val/iteration" in summary) else None
+            _plot_reward(metrics, self.run_dir / "reward.png", warmup, ceiling, final)
             plot_memory(phases, self.run_dir / "memory.png")
             plot_mechanisms(metrics, phases, self.run_dir / "mechanisms.png")
         (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
@@ -286,26 +288,39 @@ def _pyplot():
     return plt
 
 
-def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None, ceiling: float | None = None) -> None:
+_REWARD_LABELS = {"reward_mean": "train reward (mean)", "reward_correct_frac": "train correct (fraction)",
+                  "val/reward_mean": "validation reward (mean)"}
+
+
+def _plot_reward(records: list[dict], path: Path, warmup: dict | None = None, ceiling: float | None = None,
+                 final_val: tuple[int, float] | None = None) -> None:
     """reward_mean (and reward_correct_frac if logged) against iteration; skipped without data.
     With a warm-up record: its steps drawn left of iteration 0 (shaded, one step per unit, their
     demonstration loss on a second axis), the reward measured before and after it as two points,
     the level after it dashed across the RL iterations (what RL added is above that line). With a
-    `ceiling`: the best constant answer's reward, dotted."""
-    keys = [k for k in ("reward_mean", "reward_correct_frac") if any(k in r for r in records)]
+    `ceiling`: the best constant answer's reward, dotted. The validation reward (each evaluation, and
+    `final_val` = (iteration, reward) of the weights after the last update) joins them when logged."""
+    keys = [k for k in ("reward_mean", "reward_correct_frac", "val/reward_mean") if any(k in r for r in records)]
     if "reward_mean" not in keys:
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key in keys:
-        points = [(r["iteration"], r[key]) for r in records if key in r]
-        ax.plot([x for x, _ in points], [y for _, y in points], marker=".", markersize=3, linewidth=0.8, label=key)
+        points = [(r["iteration"], r[key]) for r in records if key in r] + (
+            [(final_val[0], final_val[1])] if key == "val/reward_mean" and final_val is not None else [])
+        style = dict(marker="o", markersize=4, linewidth=1.2) if key.startswith("val/") else dict(
+            marker=".", markersize=3, linewidth=0.8)
+        ax.plot([x for x, _ in points], [y for _, y in points], label=_REWARD_LABELS[key], **style)
+    if final_val is not None and "val/reward_mean" not in keys:
+        ax.plot([final_val[0]], [final_val[1]], marker="o", markersize=4, linestyle="", label=_REWARD_LABELS["val/reward_mean"])
+    ax.set_title("reward per iteration (mean over the iteration's trajectories; validation on held-out episodes)",
+                 fontsize="medium")
     twin = _draw_warmup(ax, warmup, last=max(r["iteration"] for r in records)) if warmup is not None else None
     if ceiling is not None:
         ax.axhline(ceiling, color="grey", linestyle=":", linewidth=1.0, label=f"best constant answer ({ceiling:.3f})")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("warm-up step - steps | RL iteration" if warmup is not None else "iteration")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward (the task's units; correct: fraction of trajectories)")
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if twin is not None:

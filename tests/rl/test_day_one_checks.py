@@ -48,7 +48,7 @@ def test_validation_before_training_every_n_and_after_the_last_update(files, tmp
         cfg = composed("task=scored", f"data.train_files={files / 'train.jsonl'}", f"data.val_files={files / 'train.jsonl'}",
                        f"task.params.reward_path={files / 'reward.py'}", "experiment.iterations=3", "eval.every=2",
                        "eval.n=2", "eval.num_prompts=2", "rollout.groups_per_iteration=1", "algo.group_size=2",
-                       "rollout.max_new_tokens=2", "tracking.wandb_mode=disabled", "tracking.plots=false",
+                       "rollout.max_new_tokens=2", "tracking.wandb_mode=disabled",
                        f"run_dir={tmp_path / 'run'}")
     assert cfg.eval.before_train  # null becomes on: validation rows are given
     history = run(cfg)
@@ -57,8 +57,10 @@ def test_validation_before_training_every_n_and_after_the_last_update(files, tmp
     assert sorted(p.name for p in (tmp_path / "run" / "val").iterdir()) == ["iter_0.jsonl", "iter_2.jsonl", "iter_3.jsonl"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert 0.0 <= summary["final_val/reward_mean"] <= 1.0 and summary["final_val/num_prompts"] == 2
+    assert summary["final_val/iteration"] == 3
     out = capsys.readouterr().out
     assert "validation after the last update (iteration 3)" in out and "val reward" in out
+    assert (tmp_path / "run" / "reward.png").stat().st_size > 0
 
 
 def test_rollout_statistics_by_hand():
