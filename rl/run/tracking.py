@@ -337,13 +337,17 @@ def plot_memory(records: list[dict], path: Path, last_iterations: int = 3) -> No
     one step line per memory key, one equal-width slot per phase (durations differ by 1000x; each
     slot's label gives the phase and its seconds). Keys named by tier (`device_*`, `host_*`,
     `disk_*`: rl/run/loop.py `Phases.memory`) get one panel per tier, their `*_total` dashed;
-    the older `train_*` aliases are then left out; any other key goes to a last panel."""
+    the older `train_*` aliases are then left out; any other key goes to a last panel. Keys at 0 in
+    every phase are left out, and with them a tier that holds nothing (no empty panel)."""
     if not records:
         return
     kept = sorted({r["iteration"] for r in records})[-last_iterations:]
     records = [r for r in records if r["iteration"] in kept]
     plt = _pyplot()
-    keys = list(dict.fromkeys(k for r in records for k in r["memory"]))
+    keys = [k for k in dict.fromkeys(k for r in records for k in r["memory"])
+            if any(r["memory"].get(k, 0) for r in records)]  # a key at 0 throughout would draw an empty panel
+    if not keys:
+        return
     tiers = [t for t in ("device", "host", "disk") if any(k.startswith(f"{t}_") and k != "device_pool"
                                                           and k != "host_pool" for k in keys)]
     panels: dict[str, list[str]] = {t: [k for k in keys if k.startswith(f"{t}_")] for t in tiers}

@@ -87,3 +87,29 @@ def test_the_run_progress_says_done_rate_and_time_left(monkeypatch):
     tracker.run_started(start=2, iterations=12)
     monkeypatch.setattr(tracking.time, "monotonic", lambda: 130.0)
     assert tracker.run_progress(4) == "[5/12 10.0s/it 1m10s left]"  # 3 iterations in 30 s, 7 to go
+
+
+def test_memory_png_has_no_empty_panel(tmp_path, monkeypatch):
+    from rl.run import tracking
+
+    panels = []
+    real = tracking._pyplot
+
+    def spy():
+        plt = real()
+        subplots = plt.subplots
+
+        def counted(n, *args, **kwargs):
+            panels.append(n)
+            return subplots(n, *args, **kwargs)
+
+        monkeypatch.setattr(plt, "subplots", counted)
+        return plt
+
+    monkeypatch.setattr(tracking, "_pyplot", spy)
+    records = [{"iteration": 0, "phase": p, "seconds": 0.1,
+                "memory": {"device_weights": 10 << 20, "device_total": 10 << 20, "host_states": v << 20,
+                           "host_total": v << 20, "disk_spill": 0, "disk_total": 0}}
+               for p, v in (("rollout", 1), ("train", 2))]
+    tracking.plot_memory(records, tmp_path / "memory.png")
+    assert panels == [2] and (tmp_path / "memory.png").exists()  # device and host; the disk tier held nothing
