@@ -27,7 +27,7 @@ from rl.envs.tasks.base import make_task
 from rl.run.build import build, start_from_warmup
 from rl.run.checkpoint import check_world_size, checkpoint_info, load_iteration, published, resumable
 from rl.run.figures import TimedStreamedReference, run_summary
-from rl.run.loop import run_loop
+from rl.run.loop import final_eval, run_loop
 from rl.run.ranks import RankLost, Ranks, collective_failure, init_ranks, shutdown
 
 register_configs()
@@ -108,8 +108,11 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
     warmup = start_from_warmup(cfg, parts, resume=resume_path is not None)
     if isinstance(parts.ref_model, TimedStreamedReference):
         parts.tracker.add_probe(parts.ref_model.figures)  # the stream's seconds and bytes in each metrics line
+    parts.tracker.run_started(start, cfg.experiment.iterations)
     history = run_loop(parts, start, cfg.experiment.iterations, max_drop_fraction=cfg.rollout.max_drop_fraction,
                        max_idle_iterations=cfg.experiment.max_idle_iterations, fault=_fault_from_env())
+    if history:  # the weights after the last update, evaluated when the run evaluates at all
+        parts.final_val = final_eval(parts, start + len(history))
     if ranks.is_writer:
         # the best a constant answer scores, where the task states it: the bar a rising reward must clear
         ceiling = getattr(make_task(cfg.task.name, **cfg.task.params), "constant_answer_ceiling", None)

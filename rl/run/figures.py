@@ -133,10 +133,11 @@ def rollout_statistics(groups: list[tuple[int, list[tuple[float, int, int, int]]
     members = [m for _, ms in groups for m in ms]
     if not members:
         return {}
-    rewards = torch.tensor([m[0] for m in members], dtype=torch.float64)
-    response = torch.tensor([m[1] for m in members], dtype=torch.float64)
+    rewards = torch.tensor([m[0] for m in members], dtype=torch.float64, device="cpu")  # host figures
+    response = torch.tensor([m[1] for m in members], dtype=torch.float64, device="cpu")
     estimator = lookup("advantage", advantage)
-    advs = torch.cat([estimator(torch.tensor([m[0] for m in ms], dtype=torch.float32), len(ms)) for _, ms in groups])
+    advs = torch.cat([estimator(torch.tensor([m[0] for m in ms], dtype=torch.float32, device="cpu"), len(ms))
+                      for _, ms in groups])
     return {"response_length/mean": response.mean().item(), "response_length/max": response.max().item(),
             "response_length/clip_frac": sum(m[3] >= max_new_tokens for m in members) / len(members),
             "prompt_length/mean": sum(m[2] for m in members) / len(members),

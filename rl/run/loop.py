@@ -191,7 +191,6 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
     `fault(iteration, phase)` is called as each phase starts (`Phases`)."""
     p, cfg, history, idle = parts, parts.cfg, [], 0
     phases = Phases(p, fault=fault)
-    p.tracker.run_started(start, iterations)
     for it in range(start, iterations):
         _host_in(p, phases, it)
         if p.engine.is_asleep:
@@ -229,15 +228,17 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         idle = _check_breaker(it, metrics, idle, max_drop_fraction, max_idle_iterations)
         if exhausted:
             break
-    if history and p.evaluate is not None and (cfg.eval.every is not None or cfg.eval.before_train):
-        p.final_val = _final_eval(p, phases, it + 1)
     return history
 
 
-def _final_eval(p: LoopParts, phases: "Phases", it: int) -> dict[str, float]:
+def final_eval(p: LoopParts, it: int) -> dict[str, float]:
     """Validation of the weights after the last update (`it` = the updates made, as every evaluation's
-    iteration counts them): the engine woken and loaded with them, the held-out episodes played, the
-    figures merged over the ranks, printed and sent to wandb (metrics.jsonl keeps one line per iteration)."""
+    iteration counts them), when the run evaluates at all: the engine woken and loaded with them, the
+    held-out episodes played, the figures merged over the ranks, printed and sent to wandb (metrics.jsonl
+    keeps one line per iteration); {} when it does not."""
+    if p.evaluate is None:
+        return {}
+    phases = Phases(p)
     _host_in(p, phases, it)
     if p.engine.is_asleep:
         with phases(it, "wake"):
