@@ -94,10 +94,8 @@ class RewardFunction:
             chat = all(not isinstance(r[PROMPT], str) for r in rows)
             completions = [[{"role": "assistant", "content": a}] for a in answers] if chat else list(answers)
             kwargs = {"completions": completions, "prompts": [r[PROMPT] for r in rows]}
-            columns = {k for r in rows for k in r if k != PROMPT}
-            extra = {k: [r.get(k) for r in rows] for k in columns}
-            extra["ground_truth"] = extra.get(LABEL, [None] * len(rows))
-            kwargs |= extra if self.var_kw else {k: v for k, v in extra.items() if k in self.names}
+            kwargs |= {k: [r.get(k) for r in rows] for k in {k for r in rows for k in r if k != PROMPT}}
+            kwargs["ground_truth"] = kwargs.get(LABEL, [None] * len(rows))
             out = _resolve(self.fn(**{k: v for k, v in kwargs.items() if self.var_kw or k in self.names}))
             out = [0.0 if v is None else v for v in out]
         elif self.shape == "openrlhf":

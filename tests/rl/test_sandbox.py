@@ -259,3 +259,14 @@ def test_a_cgroup_gets_the_calls_limits_and_the_worker_enters_it(tmp_path):
 
 def test_reasons_are_the_documented_set():
     assert REASONS == ("ok", "error", "timeout", "cpu_limit", "memory", "output_limit", "killed", "crashed")
+
+
+def test_close_gives_back_every_slot_uid():
+    sb = Sandbox(SandboxConfig(**{**SMALL, "workers": 2}))
+    assert sb.wait_warm(30.0) and sb.run("print(1)").ok
+    held = dict(sb._uids._held)
+    sb.close()
+    assert held and sb._uids._held == {}
+    for fd in held.values():  # the lock files' descriptors are closed, so another pool may claim the uids
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -479,6 +479,7 @@ class Sandbox:
         for worker in busy:
             worker.kill()
         self._filler.join(timeout=READY_TIMEOUT_S)
+        self._uids.close()  # the slot uids' lock files (a busy call giving its uid back later is ignored)
 
     def __enter__(self) -> "Sandbox":
         return self
