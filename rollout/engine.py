@@ -128,6 +128,7 @@ class Engine:
         """Tokens run through the model since the engine was built (prefill chunks + decode)."""
         self.num_generated = 0
         """Tokens sampled since the engine was built (all requests)."""
+        self.entropy_sum = 0.0  # of the sampling distributions (nats) over those tokens (rollout/sampling.py)
         self.peak_pages_used = 0
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -325,7 +326,8 @@ class Engine:
         if len(kept) != first:  # some forks sample later: drop their rows
             settings = None if settings is None else _select_runs(settings, kept)
             rows_plan = rows_plan.select(kept)
-        tokens, logprobs = sample_rows(logits, rows_plan, settings if rows_plan.num_stochastic else None)
+        tokens, logprobs, entropies = sample_rows(logits, rows_plan, settings, with_entropy=True)
+        self.entropy_sum += sum(entropies)
         return list(zip(seqs, tokens, logprobs))
 
     def _postprocess(self, samples: list[tuple[Sequence, int, float]]) -> list[RequestOutput]:

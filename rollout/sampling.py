@@ -131,10 +131,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return sample_rows(logits, rows, settings)
 
 
-def sample_rows(logits: torch.Tensor, rows: SamplingRows, settings: torch.Tensor | None
-                ) -> tuple[list[int], list[float]]:
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, settings: torch.Tensor | None, *,
+                with_entropy: bool = False) -> tuple[list[int], list[float]] | tuple[list[int], list[float], list[float]]:
     """`sample` given the rows' settings already on the device: settings [B, 4] float64 (the values
-    of `rows`), None when every row is greedy. One device-to-host copy (tokens and logprobs).
+    of `rows`), None when every row is greedy. One device-to-host copy (tokens and logprobs, and with
+    `with_entropy` each row's entropy in nats of the tempered distribution before truncation: what the
+    policy at that temperature is, -sum p log p; a greedy row's at temperature 1).
 
     Stochastic rows invert their CDF at their draw in one batched search (the same draw whatever
     else is in the batch); truncation (top-k / top-p) runs on the whole block at once
@@ -157,9 +159,12 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, settings: torch.Tensor
         tokens = drawn if rows.num_stochastic == len(rows.values) else torch.where(raw_temperature[:, 0] > 0,
                                                                                     drawn, tokens)
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
-    # One device-to-host copy for both: float64 holds every token id and every float32 logprob exactly.
-    host_tokens, host_logprobs = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
-    return [int(t) for t in host_tokens], host_logprobs
+    # One device-to-host copy for all: float64 holds every token id and every float32 logprob exactly.
+    columns = [tokens.to(torch.float64), chosen.to(torch.float64)]
+    if with_entropy:  # 0 * log 0 = 0: a token of probability 0 adds nothing
+        columns.append(-torch.where(logp > float("-inf"), logp.exp() * logp, 0.0).sum(dim=-1).to(torch.float64))
+    host = torch.stack(columns).tolist()
+    return ([int(t) for t in host[0]], *host[1:])
 
 
 def truncate_rows(logp: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

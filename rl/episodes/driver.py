@@ -332,7 +332,7 @@ class RolloutDriver:
         calls_before, busy_before = (self.runner.num_calls, self.runner.busy_seconds) if self.runner else (0, 0.0)
         self._resubmit_carry(dispatcher, stats)
         self._start_new_groups(dispatcher, groups_in_flight, stats)
-        t0, generated_before = time.perf_counter(), self.engine.num_generated
+        t0, generated_before, entropy_before = time.perf_counter(), self.engine.num_generated, self.engine.entropy_sum
         counters_before, computed_before = self.engine.stats(), self.engine.num_computed_tokens
 
         def should_stop() -> bool:
@@ -352,7 +352,10 @@ class RolloutDriver:
             self.auto_limit = dispatcher.auto.limit
         seconds, generated = time.perf_counter() - t0, self.engine.num_generated - generated_before
         cache = cache_metrics(counters_before, self.engine.stats(), self.engine.num_computed_tokens - computed_before)
-        return {**cache, **self._iteration_metrics(dispatcher, stats, seconds, generated, calls_before, busy_before)}
+        # the policy's entropy per sampled token (nats, at the sampling temperature; verl's actor/entropy)
+        entropy = {"entropy": (self.engine.entropy_sum - entropy_before) / generated} if generated else {}
+        return {**cache, **entropy,
+                **self._iteration_metrics(dispatcher, stats, seconds, generated, calls_before, busy_before)}
 
     def _iteration_metrics(self, dispatcher: Dispatcher, stats: dict, seconds: float, generated: int,
                            calls_before: int, busy_before: float) -> dict[str, float]:

@@ -206,6 +206,8 @@ MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", 
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
 TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""
+ROLLOUT_TOKEN_WEIGHTED = frozenset({"entropy"})
+"""Per sampled token: the mean over ranks weighted by each rank's `rollout_tokens`."""
 TRAJECTORY_WEIGHTED_PREFIXES = ("reward/",)
 """Per-trajectory means (reward components): weighted by each rank's `trajectories_finished`; a rank
 without the metric had none of that component (0), as within a rank."""
@@ -251,6 +253,10 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             weights = [m.get("train_tokens", 0.0) for m in have]
             total = sum(weights)
             # (w / total) * v: a single rank with tokens passes its value through unchanged
+            out[key] = sum(w / total * v for w, v in zip(weights, values)) if total else float("nan")
+        elif key in ROLLOUT_TOKEN_WEIGHTED:
+            weights = [m["rollout_tokens"] for m in have]
+            total = sum(weights)
             out[key] = sum(w / total * v for w, v in zip(weights, values)) if total else float("nan")
         elif key.startswith(TRAJECTORY_WEIGHTED_PREFIXES):
             weights = [m.get("trajectories_finished", 0.0) for m in per_rank]

@@ -1,5 +1,7 @@
 """What a new user types first is taken as meant, or refused at once naming the fix: one data file given as a
 plain string, data files with a task that would ignore them, WANDB_MODE from the environment."""
+import math
+
 import pytest
 
 from rl.run.tracking import TrackingConfig
@@ -54,6 +56,8 @@ def test_validation_before_training_every_n_and_after_the_last_update(files, tmp
     history = run(cfg)
     assert ["val/reward_mean" in h for h in history] == [True, False, True]  # before training, then every 2
     assert all({"response_length/mean", "reward/std", "groups_zero_std_frac", "advantage/std"} <= set(h) for h in history)
+    # the policy's entropy per sampled token: a random init samples from a near-uniform distribution
+    assert all(0.5 * math.log(cfg.model.vocab_size) < h["entropy"] <= math.log(cfg.model.vocab_size) for h in history)
     assert sorted(p.name for p in (tmp_path / "run" / "val").iterdir()) == ["iter_0.jsonl", "iter_2.jsonl", "iter_3.jsonl"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert 0.0 <= summary["final_val/reward_mean"] <= 1.0 and summary["final_val/num_prompts"] == 2

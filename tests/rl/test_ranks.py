@@ -64,6 +64,8 @@ def test_merge_metrics_rules():
     empty = {"rollout_seconds": 0.0, "rollout_tokens": 0.0, "rollout_tok_s": 0.0, "loss": 0.0, "train_tokens": 0.0}
     assert merge_metrics([ranks[0], empty])["loss/pg_loss"] == 1.0
     assert math.isnan(merge_metrics([empty | {"stale_token_frac": 0.0}])["stale_token_frac"])
+    # entropy per sampled token: weighted by the rollout tokens (30 at 1.0 nat, 10 at 3.0)
+    assert merge_metrics([ranks[0] | {"entropy": 1.0}, ranks[1] | {"entropy": 3.0}])["entropy"] == 1.5
     with pytest.raises(KeyError, match="no rule merges metric 'mystery'"):
         merge_metrics([{"mystery": 1.0}])
 

@@ -120,3 +120,24 @@ def test_a_step_copies_tokens_and_logprobs_to_the_host_once():
     with HostReads() as audit:
         sample(logits, params, [torch.Generator().manual_seed(r) for r in range(12)])
     assert audit.calls == ["tolist"]
+
+
+def test_entropy_of_each_row_is_that_of_its_tempered_distribution():
+    """Row 0 samples at temperature 0.5 with top-k 1 (the entropy is the untruncated tempered
+    distribution's: the policy, not the truncation), row 1 is greedy (temperature 1's), row 2 has a
+    token of probability 0 (adds nothing, no nan). Expected values by hand: -sum p log p."""
+    from rollout.sampling import SamplingRows, sample_rows
+
+    logits = torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0], [0.0, 0.0, float("-inf")]])
+    params = [SamplingParams(temperature=0.5, top_k=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    rows = SamplingRows.plan(params, gens, 3)
+    settings = torch.tensor(rows.values, dtype=torch.float64)
+    rows.fill_draws(settings)
+    tokens, logprobs, entropy = sample_rows(logits, rows, settings, with_entropy=True)
+    z = math.exp(2.0) + 2.0  # temperature 0.5: exp(1 / 0.5) for token 0, exp(0) twice
+    p = [math.exp(2.0) / z, 1 / z, 1 / z]
+    assert entropy[0] == pytest.approx(-sum(q * math.log(q) for q in p), rel=1e-6)
+    assert entropy[1] == pytest.approx(math.log(3), rel=1e-6) and entropy[2] == pytest.approx(math.log(2), rel=1e-6)
+    assert tokens[0] == 0  # top-k 1 kept the argmax, whatever the entropy says
