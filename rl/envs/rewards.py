@@ -9,7 +9,8 @@
 | OpenRLHF | `queries, prompts, labels` | a batch | a list (or tensor) of numbers, or {"rewards": ...} |
 | slime | `args, sample` (one) or `args, samples` (a batch) | `sample.prompt/.response/.label/.metadata` | a number (a list for a batch) |
 
-`async def` functions are awaited. A signature of none of these shapes is refused when the function is
+`async def` functions are awaited. The scored task steps a request's samples together (`batch`): a
+batched shape gets them in one call, an async one has them all in flight at once. A signature of none of these shapes is refused when the function is
 loaded, naming it and the shapes accepted. Arguments: `solution_str` / `completions` / `response` the
 decoded answer; `ground_truth` / `labels` / `label` the row's label; `data_source` the row's
 `data_source` column (else None); `extra_info` the row's `extra_info` column when it has one (verl's
@@ -32,11 +33,17 @@ SHAPES = ("verl/ours: compute_score(data_source, solution_str, ground_truth, ext
 
 
 def _resolve(value: object) -> object:
-    if inspect.isawaitable(value):
-        async def wait() -> object:
-            return await value
-        return asyncio.run(wait())
-    return value
+    return _resolve_all([value])[0]
+
+
+def _resolve_all(values: list[object]) -> list[object]:
+    """`values` with every awaitable among them awaited, all together in one event loop."""
+    if not any(inspect.isawaitable(v) for v in values):
+        return values
+
+    async def wait() -> list[object]:
+        return list(await asyncio.gather(*(v if inspect.isawaitable(v) else asyncio.sleep(0, v) for v in values)))
+    return asyncio.run(wait())
 
 
 def _prompt_text(prompt: object) -> str:
@@ -80,16 +87,21 @@ class RewardFunction:
         """The reward of one answer: what the function returned for it (a number or a dict)."""
         if self.batched:
             return self.batch([answer], [row])[0]
+        return _resolve(self._call_one(answer, row))
+
+    def _call_one(self, answer: str, row: dict) -> object:
+        """The function called on one answer (an awaitable for an async one)."""
         if self.shape == "slime":
-            return _resolve(self.fn(None, self._sample(answer, row)))
+            return self.fn(None, self._sample(answer, row))
         values = {"data_source": row.get("data_source"), "solution_str": answer, "ground_truth": row.get(LABEL),
                   "extra_info": row["extra_info"] if "extra_info" in row else _extra(row)}
-        return _resolve(self.fn(**{k: v for k, v in values.items() if k in self.names}))
+        return self.fn(**{k: v for k, v in values.items() if k in self.names})
 
     def batch(self, answers: list[str], rows: list[dict]) -> list[object]:
-        """The rewards of `answers` (row i answered by answers[i]), one call for the batched shapes."""
+        """The rewards of `answers` (row i answered by answers[i]): one call for the batched shapes;
+        one call per answer otherwise, an async function's awaited all together."""
         if not self.batched:
-            return [self.score(a, r) for a, r in zip(answers, rows)]
+            return _resolve_all([self._call_one(a, r) for a, r in zip(answers, rows)])
         if self.shape == "trl":
             chat = all(not isinstance(r[PROMPT], str) for r in rows)
             completions = [[{"role": "assistant", "content": a}] for a in answers] if chat else list(answers)

@@ -17,12 +17,10 @@ Faults cost trajectories, never the run. Each of these drops the trajectories it
 line (who, the error, the reason) in `errors` and counts them as `dropped/<reason>` (and in
 `trajectories_dropped`); a fault before a group's first request (its prompt) drops the whole group,
 which is then skipped (GRPO needs the group), a later one drops only its trajectory:
-- `too_long`: a context the engine can never run (`ContextTooLong`: longer than
-  engine.max_model_len, or more pages than the pool; a long prompt or tool reply), checked before
-  each request is submitted;
+- `too_long`: a context the engine can never run (`ContextTooLong`: longer than engine.max_model_len,
+  or more pages than the pool; a long prompt or tool reply), checked before each request is submitted;
 - `env_error`: the task's factory, `reset` or `step` raised (or returned no StepResult);
-- `timeout`: one such call ran past `env.timeout_s` (it is left running on its daemon thread, its
-  environment is discarded);
+- `timeout`: one such call ran past `env.timeout_s` (ended on its thread, its environment discarded);
 - `tokenizer`: encoding a prompt or observation, or decoding an answer, raised;
 - `bad_reward`: a step's reward is not a finite number.
 The circuit breaker over these counts lives in rl/run/loop.py.
@@ -30,9 +28,10 @@ Data rows: with a `RowSampler` (rl/envs/data.py), global group g takes the sampl
 deterministic order (every rank advances over every global group, so ranks agree without talking);
 an environment whose `reset` takes `row` receives it, and a prompt given as chat messages is
 rendered as they are. The sampler's position is part of the driver's checkpoint state.
-The episode's conversions (first prompt with the task's tool schemas, answer text, step results,
-requests) are rl/episodes/runner.py's, shared with validation; the environments and every call to
-them are rl/episodes/env_calls.py's (`EnvCalls`, the driver's `calls`).
+The episode's conversions (first prompt with the task's tool schemas, answer text, step results, requests)
+are rl/episodes/runner.py's, shared with validation; the environments and every call to them are
+rl/episodes/env_calls.py's (`EnvCalls`, the driver's `calls`: one call for a request's samples when the
+task steps many at once).
 """
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ class TurnEnd:
                                      f"a prefix of the trajectory's tokens: what the trainer scores would differ "
                                      f"from what the engine saw")
             self.driver._append(t, sample, self.stats)
-            nxt += self.driver._end_turn(t, self.stats)
-        return nxt
+        return nxt + self.driver._end_turns(self.trajs, self.stats)
 
 
 @dataclass
@@ -132,9 +130,7 @@ class RolloutDriver:
         worker threads while the engine steps; timeouts, retries, the failure policy)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: expected 0 <= rank < world")
-        self.config = config
-        self.engine, self.tokenizer = engine, tokenizer
-        self.rank, self.world = rank, world
+        self.config, self.engine, self.tokenizer, self.rank, self.world = config, engine, tokenizer, rank, world
         self.task_name, self.task_params = task_name, dict(task_params)
         try:
             probe = make_task(task_name, **self.task_params)  # fail now, with the task's own message
@@ -149,8 +145,7 @@ class RolloutDriver:
         self.runner = self.calls.pool
         """The worker pool of environment calls (env.workers > 0), else None: calls run inline."""
         self.data_exhausted = False
-        """The sampler ran out (DataExhausted): no new groups start; the caller ends the run when
-        the driver has nothing left in flight."""
+        """The sampler ran out (DataExhausted): no new groups start; the run ends once nothing is in flight."""
         self.group_size, self.seed = group_size, seed
         # the config's knobs under the names the iteration code reads; budget_tokens is this rank's share
         self.groups_per_iteration, self.max_new_tokens = config.groups_per_iteration, config.max_new_tokens
@@ -171,8 +166,7 @@ class RolloutDriver:
         self.waiting: dict[int, list[Trajectory]] = {}  # group -> its finished members
         self.group_sizes: dict[int, int] = {}  # group -> members not dropped
         self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
-        self.errors: list[str] = []
-        """One line per drop since the orchestrator last read them: who, the error, the reason."""
+        self.errors: list[str] = []  # one line per drop since the loop last read them: who, the error, why
 
     # ---- requests and turns ----------------------------------------------------------------------------
     def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
@@ -202,20 +196,26 @@ class RolloutDriver:
         traj.versions += sample.versions
         stats["tokens"] += len(sample.tokens)
 
-    def _end_turn(self, traj: Trajectory, stats: dict) -> list[Submission]:
-        """The trajectory's turn was sampled: its step inline (retried per the env group), then the
-        next turn's request when one follows; or, with a worker pool, the step handed there (its end
-        comes back through `EnvBackground`)."""
-        try:
-            answer = self.episodes.answer_text(traj.tokens[traj.turn_start:])
-            if self.runner is not None:
-                self.calls.submit_step(traj, answer, stats)
-                return []
-            env, result = self.calls.step(traj, answer, stats)
-        except Dropped as fault:
-            self._fail(traj, fault, stats)
-            return []
-        return self._admissible([traj], stats) if self._apply(traj, answer, env.max_turns, result, stats) else []
+    def _end_turns(self, trajs: list[Trajectory], stats: dict) -> list[Submission]:
+        """One request's samples ended their turn: their steps inline (`EnvCalls.steps`), then the requests
+        of those that go on; or, with a worker pool, each step handed there (back through `EnvBackground`)."""
+        live: list[tuple[Trajectory, str]] = []
+        for traj in trajs:
+            try:
+                answer = self.episodes.answer_text(traj.tokens[traj.turn_start:])
+                if self.runner is not None:
+                    self.calls.submit_step(traj, answer, stats)
+                else:
+                    live.append((traj, answer))
+            except Dropped as fault:
+                self._fail(traj, fault, stats)
+        nxt: list[Submission] = []
+        for (traj, answer), outcome in zip(live, self.calls.steps([t for t, _ in live], [a for _, a in live], stats)):
+            if isinstance(outcome, Dropped):
+                self._fail(traj, outcome, stats)
+            elif self._apply(traj, answer, outcome[0].max_turns, outcome[1], stats):
+                nxt += self._admissible([traj], stats)
+        return nxt
 
     def _call_ended(self, ended: CallEnded) -> list[Submission]:
         """A worker-pool call ended for good (`EnvCalls.collect`): its result applied, the next request."""

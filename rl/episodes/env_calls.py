@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rl.envs.tasks.base import Environment, make_task
+from rl.envs.tasks.base import Environment, make_task, resolve_task
 from rl.episodes.env_runner import Dropped, EnvConfig, EnvRunner, EnvTimeout, call_with_timeout, resolve
 from rl.episodes.runner import mix_seed
 from rl.episodes.trajectory import Trajectory
@@ -120,6 +120,31 @@ class EnvCalls:
                 stats["env_timeouts"] += fault.reason == "timeout"
                 failure = fault
         raise failure
+
+    def steps(self, trajs: list[Trajectory], answers: list[str], stats: dict) -> list[tuple[Environment, object] | Dropped]:
+        """Each trajectory stepped on its answer (`step`): (environment, result) or the Dropped it
+        ended with, in order. A task whose class defines `step_many(envs, answers) -> results` (the
+        scored task, for rewards that take a batch or are async) is stepped in one call for all of
+        them, under one env.timeout_s; when that call fails, each is stepped on its own on a fresh
+        environment (a failed one's state is unknown), with its retries."""
+        many = getattr(resolve_task(self.task_name), "step_many", None)
+        if many is not None and len(trajs) > 1:
+            try:
+                envs = [self.env(t) for t in trajs]
+                results = self.guarded("step", many, envs, answers)
+                if isinstance(results, (list, tuple)) and len(results) == len(envs):
+                    return list(zip(envs, results))
+            except Dropped:
+                pass
+            for t in trajs:
+                self.forget(t.traj_id)
+        out: list[tuple[Environment, object] | Dropped] = []
+        for traj, answer in zip(trajs, answers):
+            try:
+                out.append(self.step(traj, answer, stats))
+            except Dropped as fault:
+                out.append(fault)
+        return out
 
     # ---- on the worker pool (env.workers > 0) ----------------------------------------------------------
     @property

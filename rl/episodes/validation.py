@@ -201,6 +201,26 @@ class _Episodes:
             return []
         return self.apply(s, answer, result)
 
+    def end_turns(self, samples: list[_Sample], tokens: list[list[int]], many) -> list[Submission]:
+        """`end_turn` for a request's samples at once, stepped in one call of their task's
+        `step_many(envs, answers)` (inline; a fault there ends every sample of the call)."""
+        live: list[tuple[_Sample, str]] = []
+        for s, t in zip(samples, tokens):
+            s.tokens += t
+            s.num_generated += len(t)
+            try:
+                live.append((s, self.runner.answer_text(t)))
+            except Exception as err:  # noqa: BLE001 - a fault ends this sample, not the evaluation
+                s.error = _error_text(err)
+        try:
+            results = call_with_timeout(lambda: many([s.env for s, _ in live], [a for _, a in live]),
+                                        self.env_timeout_s, "step") if live else []
+        except Exception as err:  # noqa: BLE001
+            for s, _ in live:
+                s.error = _error_text(err)
+            return []
+        return [sub for (s, answer), result in zip(live, results) for sub in self.apply(s, answer, result)]
+
     def apply(self, s: _Sample, answer: str, result: object) -> list[Submission]:
         """Record a step's result; the next turn's request, or [] when the episode ended."""
         try:
@@ -247,10 +267,11 @@ class _TurnEnd:
     samples: list[_Sample]
 
     def __call__(self, out: RequestOutput) -> list[Submission]:
-        nxt: list[Submission] = []
-        for s, sample in zip(self.samples, out.samples):
-            nxt += self.episodes.end_turn(s, list(sample.tokens))
-        return nxt
+        tokens = [list(sample.tokens) for sample in out.samples]
+        many = getattr(type(self.samples[0].env), "step_many", None)
+        if many is not None and self.episodes.pool is None and len(self.samples) > 1:
+            return self.episodes.end_turns(self.samples, tokens, many)
+        return [sub for s, t in zip(self.samples, tokens) for sub in self.episodes.end_turn(s, t)]
 
 
 def _start(task_name: str, task_params: dict, runner: EpisodeRunner, index: int, n: int, seed: int,

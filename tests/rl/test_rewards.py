@@ -111,3 +111,66 @@ def test_a_verl_parquet_and_verl_reward_train_with_the_files_and_the_reward_path
                            "tracking.plots=false", f"run_dir={tmp_path / 'run'}"))
     assert len(history) == 2 and all(h["trajectories_finished"] == 8 and h["trajectories_dropped"] == 0
                                      for h in history)
+
+
+BATCHED_REWARDS = '''import asyncio, json, os, threading
+
+def log(kind, n):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps([kind, n]) + "\\n")
+
+def trl_reward(completions, label, **kwargs):
+    log("trl", len(completions))
+    return [float(c[:1] == l[:1]) for c, l in zip(completions, label)]
+
+def fragile(completions, label, **kwargs):
+    log("fragile", len(completions))
+    if len(completions) > 1:
+        raise RuntimeError("cannot batch")
+    return [1.0]
+
+RUNNING = {"now": 0, "most": 0}
+
+async def async_score(solution_str, ground_truth):
+    RUNNING["now"] += 1
+    RUNNING["most"] = max(RUNNING["most"], RUNNING["now"])
+    await asyncio.sleep(0.01)
+    RUNNING["now"] -= 1
+    log("async", RUNNING["most"])
+    return float(solution_str[:1] == ground_truth[:1])
+'''
+
+
+@pytest.mark.parametrize("name, expect", [("trl_reward", "trl"), ("async_score", "async"), ("fragile", "fallback")])
+def test_batched_and_async_rewards_run_on_a_whole_group_at_once(tmp_path, monkeypatch, name, expect):
+    """A group's 4 samples end their turn together: a TRL function gets them in one call of 4 (not 4
+    calls of 1), an async one has all 4 in flight at once (not one after the other), in training and
+    in validation; each trajectory is scored all the same (none dropped)."""
+    import json
+
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n")
+    (tmp_path / "reward.py").write_text(BATCHED_REWARDS)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "calls.jsonl"))
+    history = run(composed("task=scored", f"data.train_files={tmp_path / 'train.jsonl'}",
+                           f"task.params.reward_path={tmp_path / 'reward.py'}", f"task.params.reward_name={name}",
+                           f"data.val_files={tmp_path / 'train.jsonl'}", "eval.num_prompts=2", "eval.n=4",
+                           "eval.temperature=1.0", "experiment.iterations=1", "rollout.groups_per_iteration=2",
+                           "algo.group_size=4",
+                           "rollout.max_new_tokens=2", "tracking.wandb_mode=disabled", "tracking.progress=false",
+                           "tracking.plots=false", f"run_dir={tmp_path / 'run'}"))
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert history[0]["trajectories_finished"] == 8 and history[0]["trajectories_dropped"] == 0
+    # 2 groups trained, 2 prompts x 4 samples validated before training and after the update
+    assert history[0]["val/num_samples"] == 8 and "final_val/num_samples" in json.loads(
+        (tmp_path / "run" / "summary.json").read_text())
+    if expect == "trl":
+        assert calls == [["trl", 4]] * 6
+    elif expect == "fallback":  # a failed batch: in training each trajectory is stepped alone (and scored);
+        # in validation the call's samples end with its error
+        group = [["fragile", 4]] + [["fragile", 1]] * 4
+        assert [n for _, n in calls] == [4, 4] + [4, 1, 1, 1, 1] * 2 + [4, 4] and calls[2:12] == group * 2
+        assert history[0]["val/errors"] == 8
+    else:
+        assert len(calls) == 24 and max(n for _, n in calls) == 4

@@ -103,3 +103,12 @@ class ScoredTask:
         if self._row is None:
             raise RuntimeError("step() before reset()")
         return score_result(self._fn.score(answer, self._row))
+
+    @staticmethod
+    def step_many(envs: list["ScoredTask"], answers: list[str]) -> list[StepResult]:
+        """`envs[i].step(answers[i])` for all at once: one call of a batched reward function (TRL's,
+        OpenRLHF's, slime's list shape), async ones awaited together, others one answer at a time.
+        The environments come from one task config, so they share the reward function."""
+        if any(e._row is None for e in envs):
+            raise RuntimeError("step_many() before reset()")
+        return [score_result(out) for out in envs[0]._fn.batch(answers, [e._row for e in envs])]
