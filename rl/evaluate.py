@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from memory.durable import write_durable
@@ -34,6 +35,7 @@ from rl.episodes.env_runner import EnvRunner
 from rl.episodes.runner import render_prompt
 from rl.export.cli import pick_checkpoint, run_command
 from rl.episodes.validation import evaluate
+from rl.run.threads import machine_threads
 from rollout.engine import Engine
 
 OWN_ARGS = ("run_dir", "iteration", "out")
@@ -85,6 +87,9 @@ def run_evaluation(run_dir: str | Path, iteration: int | None = None, overrides:
     cfg = stored_config(checkpoint, list(overrides))
     it = checkpoint_info(checkpoint)["iteration"]
     out = Path(out) if out is not None else run_dir / "evaluate"
+    threads = cfg.experiment.num_threads or machine_threads()[0]  # as rl.train chooses them
+    if threads is not None:
+        torch.set_num_threads(threads)
     tokenizer = load_tokenizer(cfg.tokenizer)
     rows = None
     if cfg.data.val_files:

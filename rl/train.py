@@ -29,6 +29,7 @@ from rl.run.checkpoint import check_world_size, checkpoint_info, load_iteration,
 from rl.run.figures import TimedStreamedReference, run_summary
 from rl.run.loop import final_eval, run_loop
 from rl.run.ranks import RankLost, Ranks, collective_failure, init_ranks, shutdown
+from rl.run.threads import machine_threads
 
 register_configs()
 
@@ -56,12 +57,15 @@ def _fault_from_env():
 def run(cfg: RunConfig) -> list[dict[str, float]]:
     """One run (or its continuation with cfg.resume); returns the metrics of the iterations run
     (global over ranks, on every rank). Under torchrun the process group lives for this call."""
-    if cfg.experiment.num_threads is not None:
-        torch.set_num_threads(cfg.experiment.num_threads)
+    threads, why = cfg.experiment.num_threads, "experiment.num_threads"
+    if threads is None:
+        threads, why = machine_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
     ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s, cfg.parallel.expert)
     try:
-        return _run(cfg, ranks)
+        return _run(cfg, ranks, threads=f"{torch.get_num_threads()} CPU threads per rank ({why})")
     except Exception as err:
         if ranks.world > 1 and collective_failure(err):
             raise RankLost(f"rank {ranks.rank}: a collective with the other ranks failed ({type(err).__name__}: "
@@ -73,7 +77,7 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
         shutdown(ranks)
 
 
-def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
+def _run(cfg: RunConfig, ranks: Ranks, threads: str = "") -> list[dict[str, float]]:
     run_dir = Path(cfg.run_dir)
     checkpoints = run_dir / "checkpoints"
     # every rank must see the same run_dir (a shared filesystem across nodes)
@@ -99,7 +103,7 @@ def _run(cfg: RunConfig, ranks: Ranks) -> list[dict[str, float]]:
         check_config_drift(cfg, resume_path)
     parts = build(cfg, resume_from=last, ranks=ranks)
     parts.tracker.console.print(f"device {ranks.device} (experiment.device={cfg.experiment.device}), "
-                                f"{ranks.world} rank{'s' if ranks.world > 1 else ''}")
+                                f"{ranks.world} rank{'s' if ranks.world > 1 else ''}, {threads}")
     start = 0
     if resume_path is not None:
         start = load_iteration(parts, resume_path) + 1

@@ -64,6 +64,7 @@ def test_validation_before_training_every_n_and_after_the_last_update(files, tmp
     assert summary["final_val/iteration"] == 3
     out = capsys.readouterr().out
     assert "validation after the last update (iteration 3)" in out and "val reward" in out
+    assert "CPU threads per rank (" in out  # chosen from the machine, said at start
     assert (tmp_path / "run" / "reward.png").stat().st_size > 0
 
 
