@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from rl.config import RunConfig, compose_run_config, register_configs, to_run_config
+from rl.config.checks import task_params_overrides
 from rl.config.resume import check_checkpoint_dtypes, check_config_drift
 from rl.envs.tasks.base import make_task
 from rl.run.build import build, start_from_warmup
@@ -165,6 +166,7 @@ def precheck(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = task_params_overrides(sys.argv[1:])
     precheck(sys.argv[1:])
     if int(os.environ.get("RANK", "0")) > 0:
         # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.

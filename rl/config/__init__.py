@@ -34,7 +34,8 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
-from rl.config.checks import check_optional_groups, check_sandbox, check_world
+from rl.config.checks import (check_inputs, check_optional_groups, check_sandbox, check_world, task_params_overrides,
+                              task_reads_rows)
 from rl.envs.data import DataConfig, check_files
 from rl.envs.tools.sandbox import SandboxSettings
 from rl.episodes.env_runner import EnvConfig
@@ -75,18 +76,6 @@ class TaskConfig:
         """Every keyword of the task's constructor with the value it runs with: `params`, and the
         constructor's defaults for the others (what the run's stored config records)."""
         return task_params(self.name, self.params)
-
-
-def task_reads_rows(name: str) -> bool:
-    """Task `name`'s environments take a data row (`reset(seed, row=...)`), as the driver passes it."""
-    from rl.envs.tasks import resolve_task
-
-    factory = resolve_task(name)
-    reset = getattr(factory, "reset", None)
-    try:
-        return reset is None or "row" in inspect.signature(reset).parameters
-    except (TypeError, ValueError):
-        return True
 
 
 def task_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -309,9 +298,6 @@ class RunConfig:
         if self.resume not in (False, True, "must"):
             raise ValueError(f"resume={self.resume!r}, expected false, true or must")
         r, e = self.rollout, self.engine
-        if r.max_new_tokens >= e.max_model_len:
-            raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt under "
-                             f"engine.max_model_len={e.max_model_len}; expected max_new_tokens < max_model_len")
         if r.partial_resume == "kv" and self.memory.release_pool_in_train and not self.has_host_pool:
             raise ValueError("rollout.partial_resume='kv' keeps carried-over trajectories' KV, but "
                              "memory.release_pool_in_train=true frees the device pool for training and there is no "
@@ -347,6 +333,12 @@ class RunConfig:
         if self.task.name == "scored" and not self.data.enabled:
             raise ValueError("task.name=scored scores the rows of data.train_files, but data.train_files=[]; give "
                              "the files (jsonl) of your prompts and labels")
+        answer = check_inputs(self)  # the tokenizer, every data row; null max_new_tokens: the task's
+        if answer is not None:
+            object.__setattr__(self, "rollout", replace(self.rollout, max_new_tokens=answer))
+        if self.rollout.max_new_tokens >= e.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for a prompt under "
+                             f"engine.max_model_len={e.max_model_len}; expected max_new_tokens < max_model_len")
         layers, t = self.model.num_hidden_layers, self.trainer
         most = layers + 2 if t.chunk_split == "params" else layers
         if t.num_chunks > most:
@@ -496,7 +488,7 @@ def compose_run_config(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    overrides = list(overrides)
+    overrides = task_params_overrides(overrides)
     check_optional_groups(overrides)
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return to_run_config(compose("config", overrides=overrides), overrides)

@@ -4,11 +4,20 @@ ValueError naming the key and what to set; RunConfig.__post_init__ holds the che
 that the values alone decide. `cfg` is a RunConfig (rl/config/__init__.py, which imports this module)."""
 from __future__ import annotations
 
+import inspect
 import re
+from pathlib import Path
 
 _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w.]*)=(.*)$")
 OPTIONAL_GROUPS = {"prefix_cache": "on", "kv_budget": "h2o|infinigen"}
 """The engine's optional nodes (null until their group is selected) and their options."""
+
+
+def task_params_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """`task.params.<key>=<value>` as `++task.params.<key>=<value>`: a task's keywords are its constructor's,
+    not the schema's, so any of them may be set whether its group file lists it or not (TaskConfig builds
+    the task with them: an unknown one is refused there, naming it)."""
+    return [f"++{arg}" if re.match(r"^task\.params\.[\w.]+=", arg) else arg for arg in overrides]
 
 
 def check_optional_groups(overrides: list[str] | tuple[str, ...]) -> None:
@@ -21,6 +30,18 @@ def check_optional_groups(overrides: list[str] | tuple[str, ...]) -> None:
             if m and m[2].startswith(f"engine.{group}.") and group not in selected:
                 raise ValueError(f"{arg}: engine.{group} is off (null) unless its group is selected; select it "
                                  f"first: {group}={option} {arg}")
+
+
+def task_reads_rows(name: str) -> bool:
+    """Task `name`'s environments take a data row (`reset(seed, row=...)`), as the driver passes it."""
+    from rl.envs.tasks import resolve_task
+
+    factory = resolve_task(name)
+    reset = getattr(factory, "reset", None)
+    try:
+        return reset is None or "row" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):
+        return True
 
 
 def check_world(cfg, world: int) -> None:
@@ -52,3 +73,54 @@ def check_sandbox(cfg) -> None:
     set_default_backend(cfg.sandbox.backend)
     if getattr(resolve_task(cfg.task.name), "uses_sandbox", False):
         check_backend(cfg.sandbox.backend)
+
+
+LABELS_SAMPLED = 10_000
+"""The training rows whose labels size a scored task's answers (the first ones of the files)."""
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _tokenizer(config):
+    """The tokenizer of `config`, loaded once per process (a config is composed more than once)."""
+    from models.tokenizer import load_tokenizer
+
+    path = Path(str(getattr(config, "path", "")))
+    key = repr(config) + (f"@{path.stat().st_mtime_ns}" if path.exists() else "")
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(config)
+    return _TOKENIZERS[key]
+
+
+def check_inputs(cfg) -> int | None:
+    """The composition-time checks of what the run reads: the tokenizer loads and fits the model
+    (`check_tokenizer`), every row of every data file has its columns and a well-formed prompt
+    (rl/envs/data.py `load_rows`; the build reuses what was read). Returns the answer length when
+    rollout.max_new_tokens is null: the task's (`answer_tokens`, an int or a function of the training
+    rows and the tokenizer's encode, as the scored task sizes them from the labels); else None."""
+    from dataclasses import replace
+
+    from rl.envs.data import load_rows
+    from rl.envs.tasks import resolve_task
+
+    tokenizer = _tokenizer(cfg.tokenizer)
+    check_tokenizer(cfg, tokenizer)
+    rows = None
+    for key in ("train_files", "val_files"):
+        files = list(getattr(cfg.data, key))
+        if files:
+            try:
+                loaded = load_rows(files, replace(cfg.data, max_prompt_tokens=None)).rows
+            except ValueError as err:
+                raise ValueError(f"data.{key}: {err}") from None
+            rows = loaded if key == "train_files" else rows
+    if cfg.rollout.max_new_tokens is not None:
+        return None
+    answer = getattr(resolve_task(cfg.task.name), "answer_tokens", None)
+    if callable(answer) and rows is not None:
+        answer = answer(rows[:LABELS_SAMPLED], lambda text: tokenizer.encode(text, add_bos=False))
+    if not isinstance(answer, int) or isinstance(answer, bool) or answer < 1:
+        raise ValueError(f"rollout.max_new_tokens=null takes the task's answer length, but task.name={cfg.task.name!r} "
+                         f"states none (an `answer_tokens` attribute); set rollout.max_new_tokens=<tokens per turn>")
+    return min(answer, cfg.engine.max_model_len // 2)

@@ -92,10 +92,25 @@ class LoadedRows:
     """Rows dropped because their prompt had more than max_prompt_tokens tokens."""
 
 
+_RECORDS: dict[tuple[str, int, int], list[tuple[str, dict]]] = {}
+"""(absolute path, mtime_ns, size) -> its records: the composition's check reads each file once, the
+run's build takes the same records (the last few files only)."""
+
+
 def _read_records(path: str) -> list[tuple[str, dict]]:
     """[(where, record)] of one file, `where` naming the file and the line or row for errors."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _RECORDS:
+        while len(_RECORDS) >= 4:
+            _RECORDS.pop(next(iter(_RECORDS)))
+        _RECORDS[key] = _parse_records(path)
+    return _RECORDS[key]
+
+
+def _parse_records(path: str) -> list[tuple[str, dict]]:
     if os.path.isdir(path):
         try:
             import datasets

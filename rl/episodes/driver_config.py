@@ -13,8 +13,10 @@ class DriverConfig:
     groups_per_iteration: int = 16
     """New prompt groups started each iteration (each of algo.group_size trajectories), over all ranks
     together: rank r generates the groups g with g % world == r."""
-    max_new_tokens: int = 4
-    """Tokens per policy turn at most (each turn of a multi-turn episode gets this many)."""
+    max_new_tokens: int | None = 4
+    """Tokens per policy turn at most (each turn of a multi-turn episode gets this many); null = the
+    task's answer length (its `answer_tokens`; the scored task's from its labels: rl/envs/tasks/scored.py),
+    resolved when the run config is composed."""
     temperature: float = 1.0
     """Sampling temperature; only 1.0 trains for now (the trainer scores at T = 1)."""
     top_p: float = 1.0
@@ -55,7 +57,7 @@ class DriverConfig:
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
             raise ValueError(f"max_staleness={self.max_staleness!r}, expected an integer >= 1 (KV reused in the next "
                              f"iteration is one version old) or null (no limit)")
-        if self.groups_per_iteration < 1 or self.max_new_tokens < 1:
+        if self.groups_per_iteration < 1 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
             raise ValueError(f"groups_per_iteration={self.groups_per_iteration} and max_new_tokens="
                              f"{self.max_new_tokens} must be >= 1")
         if not 0 <= self.max_drop_fraction <= 1:
@@ -68,7 +70,7 @@ class DriverConfig:
         if self.budget_seconds is not None and not self.budget_seconds > 0:
             raise ValueError(f"budget_seconds={self.budget_seconds}, expected > 0 or null (no budget)")
         # the sampler's own checks, at construction rather than at the first request
-        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+        SamplingParams(max_new_tokens=self.max_new_tokens or 1, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k)
         if self.temperature != 1.0:
             # The engine's behaviour logprobs are log softmax(logits / T); the trainer scores at T = 1.

@@ -118,3 +118,33 @@ def test_memory_png_has_no_empty_panel(tmp_path, monkeypatch):
                for p, v in (("rollout", 1), ("train", 2))]
     tracking.plot_memory(records, tmp_path / "memory.png")
     assert panels == [2] and (tmp_path / "memory.png").exists()  # device and host; the disk tier held nothing
+
+
+def test_any_task_keyword_is_set_without_a_plus_and_a_misspelt_one_is_named():
+    assert composed("experiment=single_turn", "task.params.length=4").task.params == {"length": 4}
+    with pytest.raises(ValueError, match="unexpected keyword argument 'lenght'"):
+        composed("experiment=single_turn", "task.params.lenght=4")
+
+
+def test_single_turn_answers_as_long_as_its_task_needs(files, tmp_path):
+    """experiment=single_turn leaves rollout.max_new_tokens to the task: majority_digit's one digit,
+    a scored task's labels (2 x the longest label in tokens + 1, at least 8); a value given is kept."""
+    assert composed("experiment=single_turn").rollout.max_new_tokens == 1
+    (tmp_path / "long.jsonl").write_text('{"prompt": "a", "label": "abcdefghij"}\n{"prompt": "c", "label": "d"}\n')
+    scored = ("experiment=single_turn", "task=scored", f"task.params.reward_path={files / 'reward.py'}")
+    assert composed(*scored, f"data.train_files={files / 'train.jsonl'}").rollout.max_new_tokens == 8
+    assert composed(*scored, f"data.train_files={tmp_path / 'long.jsonl'}").rollout.max_new_tokens == 21  # 10 bytes
+    assert composed(*scored, f"data.train_files={tmp_path / 'long.jsonl'}",
+                    "rollout.max_new_tokens=5").rollout.max_new_tokens == 5
+    with pytest.raises(ValueError, match="task.name='key_lookup' states none .* set rollout.max_new_tokens"):
+        composed("experiment=single_turn", "task=key_lookup")
+
+
+def test_a_bad_row_anywhere_in_a_file_is_refused_at_composition_naming_file_line_and_key(files, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "label": "b"}\n' * 30 + '{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=r"data.train_files: .*bad.jsonl, line 31: no key 'label'"):
+        composed("task=scored", f"data.train_files={bad}", f"task.params.reward_path={files / 'reward.py'}")
+    bad.write_text('{"prompt": "a", "label": "b"}\n{"prompt": "a", "label": "b"\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: not JSON"):
+        composed("task=scored", f"data.train_files={bad}", f"task.params.reward_path={files / 'reward.py'}")

@@ -24,6 +24,8 @@ class MajorityDigit:
     max_turns: int = 1
     """Single turn."""
     _answer: str = field(default="", init=False, repr=False)
+    answer_tokens = 1
+    """The answer length it needs (rollout.max_new_tokens=null): one digit."""
 
     def __post_init__(self) -> None:
         if self.length < 3:

@@ -105,6 +105,14 @@ class ScoredTask:
         return score_result(self._fn.score(answer, self._row))
 
     @staticmethod
+    def answer_tokens(rows: list[dict], encode: Callable[[str], list[int]]) -> int:
+        """The answer length a run needs when rollout.max_new_tokens is null: twice the longest label in
+        tokens plus one for the end of turn, at least 8 (room for a short answer around the label; an answer
+        that reasons first needs rollout.max_new_tokens set). `rows`: the first training rows."""
+        longest = max((len(encode(str(row.get("label")))) for row in rows if row.get("label") is not None), default=0)
+        return max(8, 2 * longest + 1)
+
+    @staticmethod
     def step_many(envs: list["ScoredTask"], answers: list[str]) -> list[StepResult]:
         """`envs[i].step(answers[i])` for all at once: one call of a batched reward function (TRL's,
         OpenRLHF's, slime's list shape), async ones awaited together, others one answer at a time.
