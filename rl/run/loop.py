@@ -316,6 +316,8 @@ def _print_iteration(p: LoopParts, it: int, iterations: int, metrics: dict[str, 
     if p.tracker.config.progress and (it % max(1, iterations // 40) == 0 or it == iterations - 1):
         console.print(f"iter {it:>4}  {p.tracker.run_progress(it)}  reward {metrics['reward_mean']:.3f}  "
                       f"correct {metrics['reward_correct_frac']:.3f}  "
+                      f"len {metrics.get('response_length/mean', float('nan')):.1f}  "
+                      f"entropy {metrics.get('entropy', float('nan')):.2f}  "
                       f"{metrics['rollout_tok_s']:.0f} tok/s  loss {metrics.get('loss', float('nan')):.4g}  "
                       f"rollout {metrics.get('seconds/rollout', 0):.2f}s train {metrics.get('seconds/train', 0):.2f}s"
                       + (f"  val reward {metrics['val/reward_mean']:.3f}" if "val/reward_mean" in metrics else ""))
