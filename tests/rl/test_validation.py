@@ -271,6 +271,7 @@ class SlowLookup:
     max_turns: int = 2
     length: int = 0  # unused: the default config's task param, kept by a task.name override
     steps = []  # every step's thread name (class-wide)
+    answer_tokens = 1  # what a run with rollout.max_new_tokens=null (experiment=single_turn) gives each turn
 
     def __post_init__(self):
         from rl.envs.tasks.base import make_task

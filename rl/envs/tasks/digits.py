@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rl.envs.tasks.base import StepResult, register_task
 
@@ -24,7 +25,7 @@ class MajorityDigit:
     max_turns: int = 1
     """Single turn."""
     _answer: str = field(default="", init=False, repr=False)
-    answer_tokens = 1
+    answer_tokens: ClassVar[int] = 1
     """The answer length it needs (rollout.max_new_tokens=null): one digit."""
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import random
 import string
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rl.envs.tasks.base import StepResult, register_task
 
@@ -50,6 +51,8 @@ class KeyLookup:
     """Reward for a well-formed call (any key of the table) followed by a wrong final answer."""
     max_turns: int = 2
     """Turn 1 calls the tool, turn 2 answers."""
+    answer_tokens: ClassVar[int] = 2
+    """Tokens per turn a run needs (rollout.max_new_tokens=null): the key or the digit, and its eos."""
     brackets: bool = False
     """The call syntax: the bare key letter "c" (False: a one-character action a tiny model from a
     random init finds by chance), or "[c]" (True)."""

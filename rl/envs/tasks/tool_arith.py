@@ -47,6 +47,8 @@ class ToolArith:
     """Reward of a right call followed by a wrong answer (plus the share of leading digits right)."""
     max_turns: int = 2
     """Turn 1 calls the tool, turn 2 answers."""
+    answer_tokens: ClassVar[int] = 12
+    """Tokens per turn a run needs (rollout.max_new_tokens=null): "[py:37*8]" and its eos."""
     wall_time_s: float = 5.0
     """The sandbox's wall-clock limit of one call."""
     workers: int = 4
