@@ -193,9 +193,10 @@ class HybridLM(nn.Module):
         if len(lens) != bsz or any(not 1 <= n <= seq_len for n in lens):
             raise ValueError(f"lengths {lens} must hold {bsz} values in [1, {seq_len}]")
         packed = torch.cat([input_ids[b, :n] for b, n in enumerate(lens)])
-        batch = SegmentBatch(new_lens=lens, starts=[0] * bsz)
-        hidden, _, _ = self._run(packed, batch, [None] * bsz, [[]] * bsz)
-        return hidden, lens
+        # whole sequences, no states wanted: the training path's mixer (flash attention, chunked KDA), whose
+        # memory is linear in length; StateMixer (forward_with_state) is its reference twin
+        mixer = PackedMixer(SegmentBatch(new_lens=lens, starts=[0] * bsz)).stage(packed.device)
+        return self.run_layers(packed, mixer), lens
 
     def _unpack(self, packed: torch.Tensor, lens: list[int], seq_len: int) -> torch.Tensor:
         out = packed.new_zeros(len(lens), seq_len, *packed.shape[1:])
