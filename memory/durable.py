@@ -12,6 +12,7 @@ file digested with one is checked with the same one.
 from __future__ import annotations
 
 import os
+import secrets
 import zlib
 from pathlib import Path
 
@@ -84,11 +85,18 @@ def digest_algo(digest: str) -> str:
     return algo
 
 
-def write_durable(path: str | os.PathLike, data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably: a temp file beside it, fsynced, renamed
-    over it, the directory fsynced. A crash leaves the old content or the new, never a mix."""
+def temp_path(path: str | os.PathLike) -> Path:
+    """A temporary name beside `path` for an atomic rename onto it, unique to this process and call:
+    two writers (two runs racing on one file, or two threads) never write the same temporary file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def write_durable(path: str | os.PathLike, data: bytes) -> None:
+    """Replace `path` with `data` atomically and durably: a temp file beside it (`temp_path`), fsynced,
+    renamed over it, the directory fsynced. A crash leaves the old content or the new, never a mix."""
+    path = Path(path)
+    tmp = temp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

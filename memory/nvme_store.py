@@ -22,7 +22,7 @@ Linux 6.6 refuses it with EINVAL) and the staging buffers can be page-locked (RL
 otherwise buffered, announced with warnings.warn and a printed line naming the reason. Asking for
 "aio" explicitly raises instead. `store.backend` says which one runs.
 
-Atomicity: data and header go to `<name>.tmp`, fsync, rename over `<name>.spill`, fsync the
+Atomicity: data and header go to `<name>.tmp-<pid>-<random>` (memory/durable.py temp_path), fsync, rename over `<name>.spill`, fsync the
 directory. A spill that fails at any point removes the temp file, leaves a previous good file of
 the same name and the caller's tensors untouched, and raises SpillError naming the group, the
 path, the bytes needed and the bytes free. Restore raises CorruptSpill (naming the file, and the
@@ -33,12 +33,12 @@ A directory belongs to one store at a time, enforced: the store holds an exclusi
 `<dir>/.lock` (which names the holder: pid, host, owner) until `close()` or its process dies; a
 second store on the same directory, in this process or another, raises `SpillDirLocked` naming
 the holder. Holding the lock, a new store indexes the `*.spill` files there (so a restarted run can
-restore them) and removes stale `*.tmp`: left by a crash of an earlier holder, never another live
+restore them) and removes stale `*.tmp-*`: left by a crash of an earlier holder, never another live
 store's. A run gives each store its own subdirectory (`owner_directory`). Calls are serialized by
 a thread lock (one handle, one pair of staging buffers).
 
 Invariants (`check_integrity`, when no call is running): every known group has its file, of the
-size its record says; no `*.tmp` file exists; staging buffers are 2 x chunk_bytes.
+size its record says; no `*.tmp-*` file exists; staging buffers are 2 x chunk_bytes.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ import torch
 # Imported by name on purpose: NvmeStore calls the probes and disk checks through this module's
 # globals, which is where tests patch them (tests/memory/test_nvme_store.py); the tests also reach
 # the layout and chunk plan (`spill_layout`, `spill_chunks`) through here.
+from memory.durable import temp_path
 from memory.nvme_io import (AioIO, BufferedIO, can_lock, close_backend, drain_quietly, free_bytes,
                             odirect_supported, read_data, reserve, write_data, load_aio_op)
 from memory.spill_format import (CHECKSUMS, FILE_ALIGN, FORMAT_VERSION, IO_ALIGN, MAGIC, TENSOR_ALIGN, CorruptSpill,
@@ -197,7 +198,7 @@ class NvmeStore:
         self._unlock = weakref.finalize(self, os.close, lock_fd)
         self._lock = threading.Lock()
         self._records: dict[str, SpillRecord] = {}
-        for stale in self.directory.glob("*.tmp"):
+        for stale in [*self.directory.glob("*.tmp-*"), *self.directory.glob("*.tmp")]:  # (older runs: "<name>.tmp")
             print(f"[nvme_store] removing {stale}, left by an interrupted spill", file=sys.stderr)
             stale.unlink()
         for f in sorted(self.directory.glob("*.spill")):  # groups an earlier run left
@@ -283,7 +284,7 @@ class NvmeStore:
     def _spill_locked(self, name: str, tensors: dict[str, torch.Tensor]) -> SpillRecord:
         t0 = time.perf_counter()
         plan = spill_layout(name, tensors, self.config.checksum)
-        final, tmp = self.path(name), self.directory / f"{name}.tmp"
+        final, tmp = self.path(name), temp_path(self.directory / name)
         needed, free = plan.file_bytes, free_bytes(self.directory)
 
         def fail(why: str) -> SpillError:
@@ -388,7 +389,7 @@ class NvmeStore:
                 if p.stat().st_size != rec.file_bytes:
                     raise RuntimeError(f"nvme store integrity: {p} has {p.stat().st_size} bytes, record says "
                                        f"{rec.file_bytes}")
-            tmps = list(self.directory.glob("*.tmp"))
+            tmps = list(self.directory.glob("*.tmp-*"))
             if tmps:
                 raise RuntimeError(f"nvme store integrity: temp files left: {tmps}")
             if self._io.staging and [s.numel() for s in self._io.staging] != [self.config.chunk_bytes] * 2:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -276,7 +277,7 @@ def _atomic_write(path: Path, write) -> None:
     """`write(tmp)` to a temporary name, fsync it, rename it over `path` (its directory is fsynced
     once by the caller, after all renames). The file gets the mode `open` would give it (safetensors
     creates its files 0600): others may read an export, as the umask says."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # no two writers share it
     write(tmp)
     os.chmod(tmp, _file_mode())
     _fsync(tmp)

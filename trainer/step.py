@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from memory.durable import temp_path
 from memory.grad_arena import GradArena
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
@@ -418,7 +419,7 @@ class Trainer:
         path.mkdir(parents=True, exist_ok=True)
         rank, world = self.optimizer.rank, self.optimizer.world
         self._save_weights(path)
-        tmp = path / f"optimizer-rank{rank}.pt.tmp"
+        tmp = temp_path(path / f"optimizer-rank{rank}.pt")
         transient = self.optimizer.spilled_bytes if self.ledger is not None else 0
         if transient:
             self.ledger.lease(LEDGER_CONSUMER, transient)

@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from memory.durable import fsync_dir, fsync_tree
+from memory.durable import fsync_dir, fsync_tree, temp_path
 from models.checkpoint import INDEX_FILE, SINGLE_FILE, to_disk_name
 from models.config import ModelConfig
 from models.precision import KEEP_FP32, parse_dtype
@@ -218,7 +218,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "bf1
         tokenizer = ((run_config.get("tokenizer") or {}).get("path")  # older runs: task.tokenizer
                      or (run_config.get("task") or {}).get("tokenizer"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp_export_{out.name}"
+    tmp = temp_path(out.parent / f".tmp_export_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a failed export
     tmp.mkdir()
     try:

@@ -35,6 +35,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memory.durable import temp_path, write_durable
+
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -104,7 +106,7 @@ def _append_line(path: Path, record: dict) -> None:
 
 
 def _rewrite(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     with tmp.open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
         f.flush()
@@ -142,7 +144,7 @@ class Tracker:
 
             id_path = self.run_dir / "wandb_id.txt"
             if not id_path.exists():
-                id_path.write_text(uuid.uuid4().hex[:16] + "\n", encoding="utf-8")
+                write_durable(id_path, (uuid.uuid4().hex[:16] + "\n").encode())
             self._wandb_run = wandb.init(project=config.project, name=config.run_name, dir=str(self.run_dir),
                                          mode=config.mode, config=run_config,
                                          id=id_path.read_text(encoding="utf-8").strip(), resume="allow")
@@ -214,7 +216,7 @@ class Tracker:
             _plot_reward(metrics, self.run_dir / "reward.png", warmup, ceiling, final)
             plot_memory(phases, self.run_dir / "memory.png")
             plot_mechanisms(metrics, phases, self.run_dir / "mechanisms.png")
-        (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
+        write_durable(self.run_dir / "summary.json", (json.dumps(clean, indent=2) + "\n").encode())
         table = Table(title="run summary")
         table.add_column("key")
         table.add_column("value", justify="right")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from memory.durable import write_durable
 from rl.run.ranks import Ranks
 from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
 from rl.envs.tasks.base import make_task
@@ -154,8 +155,7 @@ def run_warmup(config: WarmupConfig, *, trainer: Trainer, engine: Engine, tokeni
     out = Path(run_dir) / "warmup"
     trainer.save_weights(out)  # every rank's part written (expert parallelism: each its experts) on return
     if ranks.is_writer:
-        (out / f"{RECORD}.tmp").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        (out / f"{RECORD}.tmp").replace(out / RECORD)  # the mark of a complete warm-up, last
+        write_durable(out / RECORD, (json.dumps(record, indent=1) + "\n").encode())  # the mark of a complete warm-up, last
     ranks.barrier()
     if console is not None:
         console.print(f"warm-up: {config.steps} steps in {record['seconds']:.1f}s, reward {before:.3f} -> {after:.3f}")

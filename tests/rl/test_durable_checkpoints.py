@@ -3,6 +3,7 @@ before publishing, retention of the last K, and a resume that falls back past a 
 checkpoint and still reproduces the uninterrupted run bit for bit."""
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -213,7 +214,9 @@ def test_every_file_and_directory_is_fsynced_before_the_rename_and_latest_after(
     assert files <= before, f"not fsynced before the rename: {sorted(files - before)}"
     assert tmp in before and str(checkpoints) in before
     after = events[rename + 1:]
-    publish = after.index(("replace", f"{checkpoints / 'latest.tmp'} -> {checkpoints / 'latest'}"))
+    # latest is written under a name unique to this writer (two runs never share a temporary file)
+    publish = next(i for i, (kind, what) in enumerate(after) if kind == "replace"
+                   and re.fullmatch(rf"{checkpoints / 'latest'}\.tmp-{os.getpid()}-[0-9a-f]{{8}} -> {checkpoints / 'latest'}", what))
     assert ("fsync", str(checkpoints)) in after[:publish], "the rename is not made durable before latest moves"
     assert ("fsync", str(checkpoints)) in after[publish + 1:], "latest's rename is not made durable"
 
@@ -234,7 +237,8 @@ def test_save_checkpoint_fsyncs_each_file_before_its_rename_and_the_directory_la
     assert len(written) > 3 and [e for e in events if e[0] == "replace"] != []
     for name in written:
         final = str(tmp_path / "ckpt" / name)
-        assert events.index(("fsync", final + ".tmp")) < events.index(("replace", final)), name
+        synced = [i for i, e in enumerate(events) if e[0] == "fsync" and e[1].startswith(final + f".tmp-{os.getpid()}-")]
+        assert synced and synced[0] < events.index(("replace", final)), name
     assert events[-1] == ("fsync", str(tmp_path / "ckpt"))
 
 
