@@ -30,6 +30,7 @@ from rl.run.checkpoint import check_world_size, checkpoint_info, load_iteration,
 from rl.run.figures import TimedStreamedReference, run_summary
 from rl.run.loop import final_eval, run_loop
 from rl.run.ranks import RankLost, Ranks, collective_failure, init_ranks, shutdown
+from rl.run.run_lock import lock_run_dir, unlock_run_dir
 from rl.run.threads import machine_threads
 
 register_configs()
@@ -63,10 +64,21 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
         threads, why = machine_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    writer = int(os.environ.get("RANK", "0")) == 0
+    if writer:  # one run per run_dir, taken before anything is written (rl/run/run_lock.py)
+        lock_run_dir(cfg.run_dir)
+    try:
+        return _ranked_run(cfg, f"{torch.get_num_threads()} CPU threads per rank ({why})")
+    finally:
+        if writer:
+            unlock_run_dir(cfg.run_dir)
+
+
+def _ranked_run(cfg: RunConfig, threads: str) -> list[dict[str, float]]:
     # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
     ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s, cfg.parallel.expert)
     try:
-        return _run(cfg, ranks, threads=f"{torch.get_num_threads()} CPU threads per rank ({why})")
+        return _run(cfg, ranks, threads=threads)
     except Exception as err:
         if ranks.world > 1 and collective_failure(err):
             raise RankLost(f"rank {ranks.rank}: a collective with the other ranks failed ({type(err).__name__}: "
@@ -156,11 +168,14 @@ def _sweep_run_dir(cfg: DictConfig) -> DictConfig:
 def precheck(argv: list[str]) -> None:
     """Compose and validate the run config of `argv` before Hydra's main writes anything (its .hydra/
     record and train.log in run_dir): a bad value exits with its error and leaves no directory behind.
-    Sweeps (-m) and Hydra's own flags are checked by main, job by job."""
+    A run_dir given on the command line is locked here (rank 0), before Hydra writes into it: a second
+    run on it exits naming the holder. Sweeps (-m) and Hydra's own flags are checked by main, job by job."""
     if any(a.startswith("-") for a in argv):
         return
     try:
-        compose_run_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+        cfg = compose_run_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+        if any(a.startswith("run_dir=") for a in argv) and int(os.environ.get("RANK", "0")) == 0:
+            lock_run_dir(cfg.run_dir)  # held for the process's life (run takes it again, re-entrant)
     except Exception as err:  # every config error, whatever its type: shown without a traceback
         sys.exit(f"error: {type(err).__name__}: {err}")
 
