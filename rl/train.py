@@ -99,7 +99,8 @@ def _run(cfg: RunConfig, ranks: Ranks, threads: str = "") -> list[dict[str, floa
         raise FileExistsError(f"run_dir {str(run_dir)!r} already holds a run (last checkpoint {marker!r}); "
                               f"pass resume=true to continue it or choose another run_dir")
     # the newest checkpoint that verifies against its manifest (older ones when the newest is damaged)
-    resume_path = resumable(checkpoints, ranks) if cfg.resume and marker is not None else None
+    resume_path = (resumable(checkpoints, ranks, accept_unverified=cfg.checkpoint.accept_unverified)
+                   if cfg.resume and marker is not None else None)
     last = None
     if resume_path is not None:
         info = checkpoint_info(resume_path)

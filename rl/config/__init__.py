@@ -156,6 +156,8 @@ class CheckpointConfig:
     export_every: int | None = None
     """Also export every checkpoint whose iteration is a multiple of this for serving, bf16, to
     run_dir/export/iter_N (rl/export; never deleted); null = none."""
+    accept_unverified: bool = False
+    """Resume from a checkpoint without manifest.json (its files unverifiable) instead of skipping it."""
 
     def __post_init__(self) -> None:
         if self.every < 1:

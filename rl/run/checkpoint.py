@@ -20,10 +20,11 @@ disk that lies about fsync, a file clobbered later).
 for serving (rl/export: bf16, to run_dir/export/iter_N, replacing an export of an abandoned timeline).
 
 Resume (`find_resumable`): `latest`'s target is checked against its manifest (every file present,
-of its size and digest); a checkpoint that fails is skipped with one line naming it, the file and
-expected vs found, and the next older `iter_*` is tried. None verifying raises `CheckpointDamaged`
-listing each one tried. A checkpoint without `manifest.json` (written before manifests existed) is
-resumed with a warning that it could not be verified.
+of its size and digest) and each file opened as what it is (`probe`: JSON, torch with weights_only,
+safetensors); a checkpoint that fails is skipped with one line naming it, the file and what is wrong,
+and the next older `iter_*` is tried. None verifying raises `CheckpointDamaged` listing each one tried.
+A checkpoint without `manifest.json` cannot be verified and is skipped the same way, unless
+`checkpoint.accept_unverified=true` (then it is taken with a warning).
 
 With several ranks (run_dir on a filesystem every rank sees): rank 0 prepares and publishes the
 directory and writes the weights; every rank writes its optimizer shard (`optimizer-rank{r}.pt`),
@@ -53,6 +54,8 @@ from rl.episodes.driver import RolloutDriver
 from trainer.step import Trainer
 
 MANIFEST = "manifest.json"
+UNVERIFIED = (f"no {MANIFEST}: its files cannot be verified (checkpoint.accept_unverified=true takes it "
+              f"unverified)")
 RUN_CONFIG = "run_config.json"
 LATEST = "latest"
 _COMPLETE = re.compile(r"^iter_(\d+)$")
@@ -174,12 +177,12 @@ def _retire(checkpoint_dir: Path, newest: int, config: CheckpointConfig) -> None
 
 def verify(path: Path) -> str | None:
     """Why checkpoint directory `path` cannot be trusted (one line), or None when every file its
-    manifest lists is present with its size and digest. A checkpoint without a manifest returns
-    None too (see `has_manifest`)."""
+    manifest lists is present with its size and digest, and each loads as what it is (`probe`). A
+    checkpoint without a manifest cannot be verified: UNVERIFIED is its reason."""
     if not path.is_dir():
         return "the directory is missing"
     if not (path / MANIFEST).exists():
-        return None if (path / "iteration.json").exists() else f"neither {MANIFEST} nor iteration.json present"
+        return UNVERIFIED if (path / "iteration.json").exists() else f"neither {MANIFEST} nor iteration.json present"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
@@ -201,6 +204,29 @@ def verify(path: Path) -> str | None:
         found = file_digest(file, digest_algo(e["digest"]))
         if found != e["digest"]:
             return f"{rel} has digest {found}, expected {e['digest']} ({size} bytes)"
+    return probe(path)
+
+
+def probe(path: Path) -> str | None:
+    """Why a file of checkpoint `path` does not load as what its name says (one line), or None: JSON
+    parses, torch files open with weights_only=True (memory-mapped: the tensors are not read),
+    safetensors headers parse. What a load error says (torch's advice to lower weights_only included)
+    is not repeated: the file is damaged or not one of ours, and that is the reason."""
+    from safetensors import safe_open
+
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_text())
+            elif file.suffix == ".pt":
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            elif file.suffix == ".safetensors":
+                with safe_open(file, framework="pt") as f:
+                    list(f.keys())
+        except Exception as err:  # noqa: BLE001 - any load error is the checkpoint's damage
+            kind = {".json": "JSON", ".pt": "a torch file", ".safetensors": "safetensors"}[file.suffix]
+            return f"{rel} does not load as {kind} ({type(err).__name__}): damaged or not written by this run"
     return None
 
 
@@ -220,7 +246,8 @@ def published(checkpoint_dir: Path) -> str | None:
     return "" if complete_checkpoints(checkpoint_dir) else None
 
 
-def find_resumable(checkpoint_dir: Path, say: Callable[[str], None] = print) -> Path | None:
+def find_resumable(checkpoint_dir: Path, say: Callable[[str], None] = print, accept_unverified: bool = False
+                   ) -> Path | None:
     """The checkpoint to resume from: `latest`'s target when it verifies, else the newest older
     `iter_*` that does (each skipped one is reported through `say` with the reason). None when the
     run has no checkpoint; `CheckpointDamaged` naming every one tried when none verifies. Reads
@@ -242,10 +269,13 @@ def find_resumable(checkpoint_dir: Path, say: Callable[[str], None] = print) -> 
         candidates = [have[i] for i in sorted(have, reverse=True)]
     for path in candidates:
         reason = verify(path)
+        if reason == UNVERIFIED and accept_unverified:
+            reason = probe(path)
+            if reason is None:
+                say(f"warning: checkpoint {path} has no {MANIFEST}: resuming from it unverified "
+                    f"(checkpoint.accept_unverified=true)")
+                return path
         if reason is None:
-            if not has_manifest(path):
-                say(f"warning: checkpoint {path} has no {MANIFEST} (written before manifests existed): "
-                    f"resuming from it unverified")
             return path
         tried.append(f"{path.name}: {reason}")
         say(f"skipping checkpoint {path}: {reason}")
@@ -253,12 +283,13 @@ def find_resumable(checkpoint_dir: Path, say: Callable[[str], None] = print) -> 
                             + "\n  ".join(tried or ["(none)"]))
 
 
-def resumable(checkpoint_dir: Path, ranks: Ranks, say: Callable[[str], None] = print) -> Path | None:
+def resumable(checkpoint_dir: Path, ranks: Ranks, say: Callable[[str], None] = print,
+              accept_unverified: bool = False) -> Path | None:
     """`find_resumable` run on rank 0 (it alone reads the files and reports), its answer given to
     every rank; a `CheckpointDamaged` raises on every rank."""
     if ranks.is_writer:
         try:
-            answer: object = find_resumable(checkpoint_dir, say)
+            answer: object = find_resumable(checkpoint_dir, say, accept_unverified)
         except CheckpointDamaged as err:
             answer = err
     else:
@@ -287,9 +318,14 @@ def load_iteration(p: CheckpointParts, path: Path) -> int:
     iteration. A checkpoint of another world size raises ValueError."""
     info = checkpoint_info(path)
     check_world_size(info, p.ranks.world, p.checkpoint_dir)
-    p.trainer.load(path)
-    p.driver.load_state_dict(json.loads((path / f"driver-rank{p.ranks.rank}.json").read_text()))
-    rng = torch.load(path / f"rng-rank{p.ranks.rank}.pt", map_location="cpu", weights_only=True)
+    try:
+        p.trainer.load(path)
+        p.driver.load_state_dict(json.loads((path / f"driver-rank{p.ranks.rank}.json").read_text()))
+        rng = torch.load(path / f"rng-rank{p.ranks.rank}.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - past verify and probe: still the checkpoint's damage, said as such
+        said = "" if "weights_only" in str(err) else f": {str(err).splitlines()[0][:200]}" if str(err) else ""
+        raise CheckpointDamaged(f"checkpoint {path} is damaged: loading it raised {type(err).__name__}{said}; "
+                                f"resume from an older one (remove this directory) or start a new run") from None
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and p.ranks.device.type == "cuda":  # absent when a CPU run wrote it
         torch.cuda.set_rng_state(rng["cuda"], p.ranks.device)

@@ -146,12 +146,34 @@ def test_manifest_lists_every_file_with_its_size_and_digest(straight):
             assert entry == {"bytes": (path / rel).stat().st_size, "digest": file_digest(path / rel)}
 
 
-def test_checkpoint_without_manifest_resumes_with_a_warning(straight, tmp_path):
+def test_a_checkpoint_without_manifest_is_skipped_unless_accepted_unverified(straight, tmp_path):
     checkpoints = _copy(straight, tmp_path) / "checkpoints"
-    (checkpoints / "iter_000002" / ckpt.MANIFEST).unlink()  # as written before manifests existed
+    (checkpoints / "iter_000002" / ckpt.MANIFEST).unlink()
     said: list[str] = []
-    assert find_resumable(checkpoints, say=said.append) == checkpoints / "iter_000002"
-    assert len(said) == 1 and "no manifest.json" in said[0] and "unverified" in said[0]
+    assert find_resumable(checkpoints, say=said.append) == checkpoints / "iter_000001"  # the newest that verifies
+    assert len(said) == 1 and "skipping checkpoint" in said[0] and "iter_000002: no manifest.json" in said[0]
+    assert "checkpoint.accept_unverified=true" in said[0]
+    said.clear()
+    assert find_resumable(checkpoints, say=said.append, accept_unverified=True) == checkpoints / "iter_000002"
+    assert len(said) == 1 and "unverified" in said[0]
+
+
+def test_a_file_that_verifies_but_does_not_load_is_damage_not_advice(straight, tmp_path, capsys):
+    """The newest checkpoint's optimizer file zeroed and its manifest rewritten to match (a manifest that
+    verifies): the resume falls back to the older checkpoint naming the file, and never repeats torch's
+    advice to load with weights_only=False."""
+    crashed = _copy(straight, tmp_path)
+    newest = crashed / "checkpoints" / "iter_000002"
+    _zero(newest / "optimizer-rank0.pt")
+    manifest = json.loads((newest / ckpt.MANIFEST).read_text())
+    manifest["files"]["optimizer-rank0.pt"]["digest"] = file_digest(newest / "optimizer-rank0.pt")
+    (newest / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    history = run(composed(f"run_dir={crashed}", *RUN, "resume=true"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipping checkpoint" in out and "optimizer-rank0.pt does not load as a torch file" in out, out
+    assert "weights_only" not in out and len(history) == 1  # iteration 2 again, from iteration 1's checkpoint
+    _assert_same_final_state(straight, crashed)
 
 
 def _expected_kept(saved: list[int], config: CheckpointConfig) -> set[int]:
@@ -255,6 +277,5 @@ def test_resume_reads_its_pickles_with_weights_only(straight, tmp_path, monkeypa
 
     monkeypatch.setattr(torch, "load", load)
     assert ckpt.load_iteration(parts, copy / "checkpoints" / "iter_000002") == 2
-    assert ("rng-rank0.pt", True) in calls
-    mine = [c for c in calls if c[0].startswith("rng-")]
-    assert mine == [("rng-rank0.pt", True)], calls
+    assert ("rng-rank0.pt", True) in calls and ("optimizer-rank0.pt", True) in calls
+    assert all(weights_only is True for _, weights_only in calls), calls  # every load, not one
