@@ -34,9 +34,17 @@ class Sleepy:
         return f"q{seed % 89}:"
 
     def step(self, answer: str) -> StepResult:
+        with IN_FLIGHT["lock"]:
+            IN_FLIGHT["now"] += 1
+            IN_FLIGHT["most"] = max(IN_FLIGHT["most"], IN_FLIGHT["now"])
         time.sleep(SLEEP["s"])
+        with IN_FLIGHT["lock"]:
+            IN_FLIGHT["now"] -= 1
         self.turn += 1
         return StepResult(f" t{self.turn};", float(len(answer) % 3) / 2, self.turn >= 4)
+
+
+IN_FLIGHT = {"lock": threading.Lock(), "now": 0, "most": 0}  # Sleepy steps running at once
 
 
 @dataclass
@@ -134,15 +142,14 @@ def test_slow_tools_run_behind_generation_with_the_same_trajectories():
     SLEEP["s"] = 0.5
     threaded = driver("test_sleepy", EnvConfig(workers=16))
     seen = record_engine(threaded)
-    t0 = time.perf_counter()
+    IN_FLIGHT["most"] = 0
     metrics = threaded.run_iteration()
-    seconds = time.perf_counter() - t0
     got = sorted(trajectories(threaded))
     assert got == expected and len(got) == 16 and all(len(t[4]) == 4 for t in got)
-    serial = 64 * SLEEP["s"]  # 16 trajectories x 4 turns of 0.5 s (the resets do not sleep), one after another
     assert metrics["env_calls"] == 64 + 4  # the steps, and each group's reset
-    print(f"async_vs_serial_time={seconds / serial:.3f} ({seconds:.2f} s vs {serial:.1f} s of tool calls)")
-    assert seconds <= 0.35 * serial
+    # behind generation and beside each other: a group's 4 members end their first turn in one engine step,
+    # and their 4 slow steps then run at once on the pool (inline they ran one after another)
+    assert IN_FLIGHT["most"] >= 4
     assert metrics["env_busy_seconds"] >= 64 * SLEEP["s"] and metrics["env_timeouts"] == 0
     check_token_identity(got, seen["outputs"])
 
