@@ -308,6 +308,22 @@ def test_tis_weights_are_capped_and_detached():
     assert loss.item() == pytest.approx(-1.0) and "tis_weight_mean" not in metrics
 
 
+def test_tis_off_policy_by_hand_with_all_three_logprobs_different():
+    """logp != old_logp != behaviour_logp: the PPO ratio r = exp(logp - old) is 1.1, 0.9, 1.5 (clipped to 1.2
+    with A = 1), the TIS weight w = exp(old - behaviour) is 1.5, 3 -> 2 (cap), 0.5; per token
+    loss = -min(r, clip(r)) * w and d loss / d logp = -r * w / 3 where unclipped (0 where clipped). A weight
+    computed from logp (or from behaviour against logp) gives other numbers."""
+    old = t([[-1.0, -2.0, -0.5]])
+    logp = (old + t([[LOG(1.1), LOG(0.9), LOG(1.5)]])).requires_grad_()
+    behaviour = old - t([[LOG(1.5), LOG(3.0), LOG(0.5)]])
+    loss, metrics = rl_loss(logp, old, t([1.0]), torch.ones(1, 3), LossConfig(tis_cap=2.0), behaviour_logp=behaviour)
+    assert loss.item() == pytest.approx(-(1.1 * 1.5 + 0.9 * 2.0 + 1.2 * 0.5) / 3, rel=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx((1.5 + 2.0 + 0.5) / 3, rel=1e-6)
+    assert metrics["tis_raw_ratio_max"] == pytest.approx(3.0, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([[-1.1 * 1.5 / 3, -0.9 * 2.0 / 3, 0.0]]), rtol=1e-5, atol=1e-7)
+
+
 def test_kl_and_entropy_terms_by_hand():
     # on-policy, A = 0: loss = kl_coef * mean k3 - entropy_coef * mean entropy
     logp = t([[LOG(0.5), LOG(0.2)]])
