@@ -166,24 +166,33 @@ def _sweep_run_dir(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def precheck(argv: list[str]) -> None:
+def precheck(argv: list[str]) -> str | None:
     """Compose and validate the run config of `argv` before Hydra's main writes anything (its .hydra/
     record and train.log in run_dir): a bad value exits with its error and leaves no directory behind.
-    A run_dir given on the command line is locked here (rank 0), before Hydra writes into it: a second
-    run on it exits naming the holder. Sweeps (-m) and Hydra's own flags are checked by main, job by job."""
+    Returns the composed run_dir (None for sweeps and Hydra's own flags, checked by main job by job)."""
     if any(a.startswith("-") for a in argv):
+        return None
+    try:
+        return compose_run_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]).run_dir
+    except Exception as err:  # every config error, whatever its type: shown without a traceback
+        sys.exit(f"error: {type(err).__name__}: {err}")
+
+
+def hold_run_dir(argv: list[str], run_dir: str | None) -> None:
+    """Lock a run_dir named on the command line (rank 0) before Hydra writes into it, for the process's
+    life (`run` takes it again, re-entrant): a second run on it exits naming the holder, leaving the
+    first run's files as they were."""
+    if run_dir is None or not any(a.startswith("run_dir=") for a in argv) or int(os.environ.get("RANK", "0")) > 0:
         return
     try:
-        cfg = compose_run_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
-        if any(a.startswith("run_dir=") for a in argv) and int(os.environ.get("RANK", "0")) == 0:
-            lock_run_dir(cfg.run_dir)  # held for the process's life (run takes it again, re-entrant)
-    except Exception as err:  # every config error, whatever its type: shown without a traceback
+        lock_run_dir(run_dir)
+    except Exception as err:  # noqa: BLE001 - one line, no traceback
         sys.exit(f"error: {type(err).__name__}: {err}")
 
 
 if __name__ == "__main__":
     sys.argv[1:] = task_params_overrides(sys.argv[1:])
-    precheck(sys.argv[1:])
+    hold_run_dir(sys.argv[1:], precheck(sys.argv[1:]))
     if int(os.environ.get("RANK", "0")) > 0:
         # Hydra's own files (.hydra/, train.log in run_dir) come from rank 0 only.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]

@@ -17,8 +17,8 @@ import socket
 from pathlib import Path
 
 LOCK_FILE = ".run.lock"
-_HELD: dict[str, tuple[int, int]] = {}
-"""Resolved run_dir -> (lock descriptor, times taken) in this process."""
+_HELD: dict[str, tuple[int, int, bool]] = {}
+"""Resolved run_dir -> (lock descriptor, times taken, whether taking it made the directory) in this process."""
 
 
 class RunDirLocked(RuntimeError):
@@ -26,13 +26,15 @@ class RunDirLocked(RuntimeError):
 
 
 def lock_run_dir(run_dir: str | os.PathLike) -> None:
-    """Take `run_dir`'s lock (the directory is made if missing), or raise RunDirLocked naming the holder."""
+    """Take `run_dir`'s lock (the directory is made if missing, and removed again by the last
+    `unlock_run_dir` when the run wrote nothing else), or raise RunDirLocked naming the holder."""
     path = Path(run_dir)
     key = str(path.resolve())
     if key in _HELD:
-        fd, count = _HELD[key]
-        _HELD[key] = (fd, count + 1)
+        fd, count, made = _HELD[key]
+        _HELD[key] = (fd, count + 1, made)
         return
+    made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -47,16 +49,20 @@ def lock_run_dir(run_dir: str | os.PathLike) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
     os.fsync(fd)
-    _HELD[key] = (fd, 1)
+    _HELD[key] = (fd, 1, made)
 
 
 def unlock_run_dir(run_dir: str | os.PathLike) -> None:
     """Give back one `lock_run_dir` of this process; the lock is released with the last one."""
     key = str(Path(run_dir).resolve())
-    fd, count = _HELD.pop(key, (None, 0))
+    fd, count, made = _HELD.pop(key, (None, 0, False))
     if fd is None:
         return
     if count > 1:
-        _HELD[key] = (fd, count - 1)
+        _HELD[key] = (fd, count - 1, made)
         return
-    os.close(fd)  # the file stays (its content names the last holder); the lock goes with the descriptor
+    path = Path(run_dir)
+    if made and [p.name for p in path.iterdir()] == [LOCK_FILE]:  # a run refused before it wrote: nothing left
+        (path / LOCK_FILE).unlink()
+        path.rmdir()
+    os.close(fd)  # otherwise the file stays (it names the last holder); the lock goes with the descriptor

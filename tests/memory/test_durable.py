@@ -1,6 +1,7 @@
 """memory/durable.py: fsync of files and directories (order and coverage), streamed digests equal
 one-shot reference digests, durable replace."""
 import os
+import re
 import zlib
 
 import pytest
@@ -89,4 +90,5 @@ def test_write_durable_replaces_atomically_and_syncs_file_then_directory(tmp_pat
     durable.write_durable(target, b"iter_000002")
     assert target.read_bytes() == b"iter_000002" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
     # the temp file's data is synced before the rename, the directory after it
-    assert synced[-1] == str(tmp_path) and any(s.endswith("latest.tmp") for s in synced[:-1])
+    assert synced[-1] == str(tmp_path) and any(
+        re.search(rf"/latest\.tmp-{os.getpid()}-[0-9a-f]{{8}}$", s) for s in synced[:-1])  # a name unique to this writer

@@ -136,8 +136,8 @@ def test_single_turn_answers_as_long_as_its_task_needs(files, tmp_path):
     assert composed(*scored, f"data.train_files={tmp_path / 'long.jsonl'}").rollout.max_new_tokens == 21  # 10 bytes
     assert composed(*scored, f"data.train_files={tmp_path / 'long.jsonl'}",
                     "rollout.max_new_tokens=5").rollout.max_new_tokens == 5
-    with pytest.raises(ValueError, match="task.name='key_lookup' states none .* set rollout.max_new_tokens"):
-        composed("experiment=single_turn", "task=key_lookup")
+    with pytest.raises(ValueError, match="task.name='code_reward' states none .* set rollout.max_new_tokens"):
+        composed("experiment=single_turn", "task=code_reward")
 
 
 def test_a_bad_row_anywhere_in_a_file_is_refused_at_composition_naming_file_line_and_key(files, tmp_path):
