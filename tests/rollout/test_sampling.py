@@ -141,3 +141,55 @@ def test_entropy_of_each_row_is_that_of_its_tempered_distribution():
     assert entropy[0] == pytest.approx(-sum(q * math.log(q) for q in p), rel=1e-6)
     assert entropy[1] == pytest.approx(math.log(3), rel=1e-6) and entropy[2] == pytest.approx(math.log(2), rel=1e-6)
     assert tokens[0] == 0  # top-k 1 kept the argmax, whatever the entropy says
+
+
+# Distributions written by hand for a 4-token vocabulary q = [0.5, 0.25, 0.15, 0.1] (not derived from
+# the module's own truncation): temperature T gives q^(1/T) renormalised; top-k keeps the k likeliest;
+# top-p keeps the smallest prefix (likeliest first) whose mass reaches p: the tokens whose preceding mass is < p.
+Q = [0.5, 0.25, 0.15, 0.1]
+BY_HAND = [
+    (dict(temperature=1.0), [0.5, 0.25, 0.15, 0.1]),
+    (dict(temperature=1.0, top_k=2), [2 / 3, 1 / 3, 0.0, 0.0]),
+    (dict(temperature=1.0, top_p=0.6), [2 / 3, 1 / 3, 0.0, 0.0]),          # preceding 0, 0.5 < 0.6; 0.75 is not
+    (dict(temperature=1.0, top_p=0.8), [5 / 9, 2.5 / 9, 1.5 / 9, 0.0]),    # 0, 0.5, 0.75 < 0.8; 0.9 is not
+    (dict(temperature=1.0, top_p=0.4), [1.0, 0.0, 0.0, 0.0]),              # the likeliest alone reaches 0.4
+    (dict(temperature=0.5), [0.25 / 0.345, 0.0625 / 0.345, 0.0225 / 0.345, 0.01 / 0.345]),
+    (dict(temperature=2.0, top_k=3), [x / (0.5 ** 0.5 + 0.25 ** 0.5 + 0.15 ** 0.5) for x in
+                                      (0.5 ** 0.5, 0.25 ** 0.5, 0.15 ** 0.5)] + [0.0]),
+    # top-p over what top-k kept, renormalised: 5/9, 2.5/9, 1.5/9 with preceding mass 0, 5/9, 7.5/9 (> 0.8)
+    (dict(temperature=1.0, top_k=3, top_p=0.8), [2 / 3, 1 / 3, 0.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize("settings, expected", BY_HAND, ids=[str(s) for s, _ in BY_HAND])
+def test_sampled_frequencies_match_distributions_written_by_hand(settings, expected):
+    """Many rows in one batch (the engine's batched truncation), one draw each: the frequencies follow the
+    hand-written distribution, and a token it gives 0 is never drawn."""
+    logits = torch.tensor(Q).log()
+    n = 6000
+    params = [SamplingParams(**settings)] * n
+    tokens, _ = sample(logits.expand(n, -1).clone(), params, [torch.Generator().manual_seed(i) for i in range(n)])
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / n
+    expected = torch.tensor(expected, dtype=torch.float64)
+    assert (freq[expected == 0] == 0).all(), (settings, freq)
+    assert (freq - expected).abs().max() < 0.025, (settings, freq, expected)
+
+
+@pytest.mark.parametrize("settings, expected", [c for c in BY_HAND if c[0]["temperature"] == 1.0],
+                         ids=[str(s) for s, _ in BY_HAND if s["temperature"] == 1.0])
+def test_the_one_row_reference_truncation_keeps_what_the_hand_says(settings, expected):
+    kept = truncate(torch.tensor(Q).log(), settings.get("top_k", 0), settings.get("top_p", 1.0)).softmax(-1)
+    torch.testing.assert_close(kept, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_top_p_stops_at_the_prefix_whose_mass_reaches_p_exactly():
+    """Dyadic probabilities [0.5, 0.25, 0.125, 0.125] (exact in floating point) and top_p = 0.75: the prefix
+    {0, 1} reaches 0.75 exactly, so token 2 (preceding mass 0.75, not < 0.75) is dropped, by the batched
+    sampler and by the reference; a rule that kept it ("mass before < p" read as "<=") would draw it."""
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    torch.testing.assert_close(truncate(logits, 0, 0.75).softmax(-1), torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
+    n = 3000
+    tokens, _ = sample(logits.expand(n, -1).clone(), [SamplingParams(temperature=1.0, top_p=0.75)] * n,
+                       [torch.Generator().manual_seed(i) for i in range(n)])
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / n
+    assert freq[2] == 0 and freq[3] == 0 and abs(freq[0] - 2 / 3) < 0.03, freq

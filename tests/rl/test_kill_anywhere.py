@@ -1,0 +1,89 @@
+"""kill -9 at any instant: a short multi-phase run with the optimizer states spilled to NVMe, the host KV pool,
+the prefix cache and partial rollouts that park their KV, killed with SIGKILL at seeded random instants (mid
+train step, mid spill, mid host-pool copy, mid rollout, mid checkpoint: wherever the instant falls), then
+resumed with resume=true, as many times as it takes: every trial ends with the uninterrupted run's weights,
+optimizer state (masters and moments) and per-iteration rewards, bit for bit. HYBRIDRL_KILL_TRIALS sets the
+number of trials (12 by default)."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.rl.test_train_run import ROOT, SMALL, records
+
+RUN = [*SMALL, "task=key_lookup", "experiment.iterations=3", "memory.spill_dir=spill", "engine.host_pool_mb=4",
+       "prefix_cache=on", "engine.prefix_cache.hash_block=4", "engine.max_model_len=64", "rollout.partial_resume=kv",
+       "rollout.budget_tokens=40", "trainer.optimizer.backend=torch", "experiment.num_threads=1"]
+TRIALS = int(os.environ.get("HYBRIDRL_KILL_TRIALS", "12"))
+FINAL = "checkpoints/iter_000002"
+
+
+def command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rl.train", f"run_dir={run_dir}", *RUN, *extra]
+
+
+def env() -> dict:
+    out = {k: v for k, v in os.environ.items() if k not in ("HYBRIDRL_FAULT", "HYBRIDRL_TEST_FAULTS")}
+    return out | {"PYTHONPATH": str(ROOT)}
+
+
+def final_state(run_dir: Path) -> tuple[dict, dict, list]:
+    weights = load_file(run_dir / FINAL / "model.safetensors")
+    optimizer = torch.load(run_dir / FINAL / "optimizer-rank0.pt", weights_only=True)
+    rewards = [(m["iteration"], m["reward_mean"], m["loss"]) for m in records(run_dir / "metrics.jsonl")]
+    return weights, optimizer, rewards
+
+
+def same_tensors(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, float]:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    t0 = time.monotonic()
+    done = subprocess.run(command(run_dir), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
+    reference, seconds = straight
+    want = final_state(reference)
+    rng = random.Random(20261204)
+    killed_at: list[float] = []
+    for trial in range(TRIALS):
+        run_dir = tmp_path / f"trial{trial}"
+        at = rng.uniform(0.0, seconds)
+        proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=at)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed_at.append(at)
+        again = subprocess.run(command(run_dir, "resume=true"), cwd=ROOT, env=env(), capture_output=True,
+                               text=True, timeout=600)
+        assert again.returncode == 0, f"trial {trial} (killed at {at:.2f} s): {again.stderr[-3000:]}"
+        got = final_state(run_dir)
+        assert same_tensors(got[0], want[0]), f"trial {trial} (killed at {at:.2f} s): the weights differ"
+        assert same_tensors(got[1], want[1]), f"trial {trial} (killed at {at:.2f} s): the optimizer state differs"
+        assert got[2] == want[2], f"trial {trial} (killed at {at:.2f} s): rewards {got[2]} vs {want[2]}"
+    print(f"kill_trials={TRIALS} killed={len(killed_at)} run_seconds={seconds:.1f} "
+          f"instants={[round(a, 2) for a in killed_at]}")
+    assert len(killed_at) >= TRIALS // 2, "most instants fall inside the run"
