@@ -17,7 +17,7 @@ In a multi-rank run only the writer (rank 0) has an enabled Tracker; the others 
 Invariants: every appended line is flushed and fsynced before `log` returns, so `kill -9` loses at
 most the line being written; `read_jsonl` skips such a truncated last line. On resume after
 iteration N both .jsonl files are rewritten atomically (tmp + os.replace) keeping only records
-with iteration <= N, which also drops a truncated tail. wandb is imported only when enabled.
+with iteration <= N, which also drops a truncated tail; a new run (no checkpoint to resume) keeps none. wandb is imported only when enabled.
 """
 from __future__ import annotations
 
@@ -132,13 +132,12 @@ class Tracker:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Existing files are always rewritten (drops a truncated tail); on resume, also the records
-        # of iterations after the last complete one, which the resumed run will log again.
+        # of iterations after the last complete one, which the resumed run will log again; a new run
+        # keeps none (a start killed before its first checkpoint left some: they are logged again).
         for path in (self.metrics_path, self.phases_path):
             if path.exists():
-                records = read_jsonl(path)
-                if resume_from_iteration is not None:
-                    records = [r for r in records if r["iteration"] <= resume_from_iteration]
-                _rewrite(path, records)
+                last = -1 if resume_from_iteration is None else resume_from_iteration
+                _rewrite(path, [r for r in read_jsonl(path) if r["iteration"] <= last])
         if config.mode != "disabled":
             import wandb
 

@@ -227,3 +227,19 @@ def test_host_pages_written_back_counts_the_write_back_at_sleep(tmp_path, monkey
                            "engine.max_model_len=64"))
     assert sum(at_sleep) > 0, "the multi-turn task leaves turn-boundary entries for sleep to write back"
     assert sum(h["host_pages_written_back"] for h in history) == engines[-1].cache.host_tier.pages_written_back
+
+
+@pytest.mark.slow
+def test_a_start_killed_before_its_first_checkpoint_is_run_again_without_duplicate_records(tmp_path, straight_plain):
+    """Killed with iteration 0's metrics logged but its checkpoint not yet published: no checkpoint, so
+    resume=true starts a new run, which must not keep the dead start's records (found by the random-instant
+    kill harness: metrics.jsonl held iteration 0 twice)."""
+    crashed = tmp_path / "crashed"
+    killed = cli(crashed, fault="checkpoint_written:0")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [m["iteration"] for m in records(crashed / "metrics.jsonl")] == [0]
+    assert not (crashed / "checkpoints" / "latest").exists()
+    assert_resume_reproduces(straight_plain, crashed)
+    assert [m["iteration"] for m in records(crashed / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["iteration"] for r in records(crashed / "phases.jsonl")].count(0) == \
+        [r["iteration"] for r in records(straight_plain / "phases.jsonl")].count(0)
