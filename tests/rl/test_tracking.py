@@ -215,3 +215,51 @@ def test_wandb_run_id_persists_across_resume(tmp_path, monkeypatch):
     assert inits[0]["resume"] == "allow" and inits[0]["mode"] == "offline" and inits[0]["config"] == {"lr": 1e-6}
     assert inits[0]["project"] == "hybridrl" and inits[0]["name"] == "r1" and inits[0]["dir"] == str(tmp_path)
     assert ("log", {"reward_mean": 0.5}, 1) in calls and calls[-1] == ("finish",)
+
+
+def _wandb_history(run_file) -> list[dict]:
+    """The history rows of a wandb offline run file (`run-<id>.wandb`): LevelDB-log framed records (a 7-byte
+    file header; 32 KiB blocks; each record: crc32 (4), length (2), type (1: full, 2: first, 3: middle,
+    4: last)), each a wandb_internal_pb2.Record. Written here because wandb no longer ships a reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, block, pos = run_file.read_bytes(), 32768, 7
+    assert raw[:4] == b":W&B", raw[:7]
+    payloads, partial = [], b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            payloads.append(partial + data)
+            partial = b""
+        elif kind in (2, 3):
+            partial += data
+    rows = []
+    for payload in payloads:
+        record = pb.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+@pytest.mark.slow
+def test_wandb_offline_for_real_writes_the_logged_metrics(tmp_path):
+    """The real wandb (what `make run` uses), offline: init writes its run under run_dir/wandb, and the run
+    file holds every logged iteration's metrics at its step."""
+    config = TrackingConfig(wandb_mode="offline", progress=False, plots=False, run_name="real")
+    tracker = Tracker(tmp_path, config, run_config={"lr": 1e-6})
+    tracker.log(0, {"reward_mean": 0.25, "loss": 1.5})
+    tracker.log(1, {"reward_mean": 0.75, "loss": 0.5})
+    tracker.finish({"reward_final": 0.75})
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run_id = (tmp_path / "wandb_id.txt").read_text().strip()
+    assert run_file.name == f"run-{run_id}.wandb"
+    rows = [r for r in _wandb_history(run_file) if "reward_mean" in r]
+    assert [(r["_step"], r["reward_mean"], r["loss"]) for r in rows] == [(0, 0.25, 1.5), (1, 0.75, 0.5)]
