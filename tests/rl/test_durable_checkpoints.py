@@ -146,8 +146,11 @@ def test_manifest_lists_every_file_with_its_size_and_digest(straight):
             assert entry == {"bytes": (path / rel).stat().st_size, "digest": file_digest(path / rel)}
 
 
-def test_a_checkpoint_without_manifest_is_skipped_unless_accepted_unverified(straight, tmp_path):
-    checkpoints = _copy(straight, tmp_path) / "checkpoints"
+def test_a_checkpoint_without_manifest_is_skipped_unless_accepted_unverified(straight, tmp_path, capsys):
+    """The newest checkpoint's manifest deleted: `resume=true` resumes from the previous checkpoint, saying
+    why, and ends where the uninterrupted run ended; only `checkpoint.accept_unverified` takes the newest."""
+    crashed = _copy(straight, tmp_path)
+    checkpoints = crashed / "checkpoints"
     (checkpoints / "iter_000002" / ckpt.MANIFEST).unlink()
     said: list[str] = []
     assert find_resumable(checkpoints, say=said.append) == checkpoints / "iter_000001"  # the newest that verifies
@@ -156,6 +159,12 @@ def test_a_checkpoint_without_manifest_is_skipped_unless_accepted_unverified(str
     said.clear()
     assert find_resumable(checkpoints, say=said.append, accept_unverified=True) == checkpoints / "iter_000002"
     assert len(said) == 1 and "unverified" in said[0]
+    capsys.readouterr()
+    history = run(composed(f"run_dir={crashed}", *RUN, "resume=true"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipping checkpoint" in out and "iter_000002: no manifest.json" in out, out
+    assert len(history) == 1  # iteration 2 again, from iteration 1's checkpoint
+    _assert_same_final_state(straight, crashed)
 
 
 def test_a_file_that_verifies_but_does_not_load_is_damage_not_advice(straight, tmp_path, capsys):
