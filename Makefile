@@ -19,8 +19,10 @@ export DS_BUILD_OPS := 0
 run: apt $(STAMP)
 	$(PY) -m rl.train run_dir=runs/cpu_demo-$$(date +%Y%m%d-%H%M%S)
 
+# The whole suite, slow tests included (about 20 minutes alone on a 2-core host); prints its duration.
 test: apt $(STAMP)
-	$(PY) -m pytest -q --durations=20
+	@start=$$(date +%s); $(PY) -m pytest -q --durations=20; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s, exit $$rc"; exit $$rc
 
 install: $(STAMP)
 

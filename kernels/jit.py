@@ -7,6 +7,10 @@ no holder; a build killed midway (Ctrl-C during the first build, a test stopped 
 and every later load of that extension waits on it forever, at 0% CPU, saying nothing. `building()` holds
 an flock on `<build dir>/lock.holder` around each build of ours: the kernel drops it when its process
 dies, so a `lock` found while nobody holds `lock.holder` is a dead build's, and is removed (said on stderr).
+
+In a checkout, $TORCH_EXTENSIONS_DIR defaults to the project's `.cache/torch_extensions` (where `make install`
+builds them), so `python -m rl.train` run by hand finds the ops built instead of building them again under
+~/.cache; a value set in the environment is kept.
 """
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+PROJECT_EXTENSIONS_DIR = Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
+"""The build cache of a checkout (the Makefile's $TORCH_EXTENSIONS_DIR)."""
+if (PROJECT_EXTENSIONS_DIR.parents[1] / "pyproject.toml").exists():  # a checkout, not an installed package
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_EXTENSIONS_DIR))
 
 _HELD: set[str] = set()  # extensions whose lock.holder this process holds now
 

@@ -69,3 +69,23 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next(tmp_path, monk
         assert FileBaton(str(lock)).try_acquire()  # what torch's load does next: it no longer waits forever
     assert time.monotonic() - start < 10
     assert f"removed the stale build lock {lock}" in capsys.readouterr().err
+
+
+def test_a_run_started_by_hand_uses_the_projects_build_cache_unless_told_otherwise(tmp_path):
+    """Without $TORCH_EXTENSIONS_DIR (`python -m rl.train` typed after `make install`), the ops resolve to the
+    checkout's `.cache/torch_extensions`, where the install built them, not to ~/.cache (a rebuild of
+    minutes); a directory set in the environment is kept."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = "from kernels.jit import build_directory; print(build_directory('async_io'))"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"HOME": str(tmp_path)}
+    by_hand = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                             timeout=120)
+    assert by_hand.returncode == 0, by_hand.stderr
+    assert Path(by_hand.stdout.strip()) == root / ".cache" / "torch_extensions" / "async_io"
+    told = subprocess.run([sys.executable, "-c", code], env=env | {"TORCH_EXTENSIONS_DIR": str(tmp_path / "x")},
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert Path(told.stdout.strip()) == tmp_path / "x" / "async_io", told.stderr
