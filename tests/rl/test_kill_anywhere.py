@@ -1,7 +1,7 @@
 """kill -9 at any instant: a short multi-phase run with the optimizer states spilled to NVMe, the host KV pool,
 the prefix cache and partial rollouts that park their KV, killed with SIGKILL at seeded random instants (mid
 train step, mid spill, mid host-pool copy, mid rollout, mid checkpoint: wherever the instant falls), then
-resumed with resume=true, as many times as it takes: every trial ends with the uninterrupted run's weights,
+resumed with resume=true: every trial ends with the uninterrupted run's weights,
 optimizer state (masters and moments) and per-iteration rewards, bit for bit. HYBRIDRL_KILL_TRIALS sets the
 number of trials (12 by default)."""
 import os
@@ -51,30 +51,36 @@ def same_tensors(a, b) -> bool:
     return a == b
 
 
-def timed_run(run_dir: Path) -> tuple[float, float]:
-    """One uninterrupted run: its wall time, and when its first phase record appeared."""
+def timed_run(run_dir: Path) -> tuple[float, float, float]:
+    """One uninterrupted run: its wall time, and when its first and its last phase record appeared (the
+    loop's phases lie between; before: imports, composition, the build; after: the summary, the exit)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    while proc.poll() is None and not (run_dir / "phases.jsonl").exists():
-        time.sleep(0.05)
-    first = time.monotonic() - t0
+    first = last = None
+    seen = 0
+    phases = run_dir / "phases.jsonl"
+    while proc.poll() is None:
+        count = phases.read_bytes().count(b"\n") if phases.exists() else 0
+        if count > seen:
+            seen, last = count, time.monotonic() - t0
+            first = last if first is None else first
+        time.sleep(0.02)
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    return time.monotonic() - t0, first
+    assert proc.returncode == 0 and first is not None, err[-3000:]
+    return time.monotonic() - t0, first, last
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> tuple[Path, float, float]:
-    """The uninterrupted run, its wall time, and when its first phase record appeared (the set-up before it
-    imports, composes and builds: a kill there is the trivial case, so few instants fall there). Run twice:
+def straight(tmp_path_factory) -> tuple[Path, float, float, float]:
+    """The uninterrupted run, its wall time, and when its first and last phase records appeared. Run twice:
     the second, warm (a first run can pay one-time costs), gives the times, and equals the first."""
     base = tmp_path_factory.mktemp("straight")
     timed_run(base / "cold")
-    seconds, first = timed_run(base / "run")
+    times = timed_run(base / "run")
     assert all(same_tensors(a, b) for a, b in zip(final_state(base / "cold"), final_state(base / "run"))), \
         "two uninterrupted runs differ"
-    return base / "run", seconds, first
+    return base / "run", *times
 
 
 def phase_at_kill(run_dir: Path, phases: list[str]) -> str:
@@ -86,7 +92,7 @@ def phase_at_kill(run_dir: Path, phases: list[str]) -> str:
 
 @pytest.mark.slow
 def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
-    reference, seconds, first = straight
+    reference, seconds, first, last = straight
     want = final_state(reference)
     rng = random.Random(20261204)
     killed_at: list[float] = []
@@ -95,7 +101,7 @@ def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run
     hit: dict[str, int] = {}
     for trial in range(TRIALS):
         run_dir = tmp_path / f"trial{trial}"
-        at = rng.uniform(0.0, seconds) if trial % 4 == 0 else rng.uniform(first, seconds)  # mostly mid-run
+        at = rng.uniform(0.0, seconds) if trial % 4 == 0 else rng.uniform(first, last)  # mostly in the loop
         proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
@@ -113,6 +119,7 @@ def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run
         assert same_tensors(got[0], want[0]), f"trial {trial} (killed at {at:.2f} s): the weights differ"
         assert same_tensors(got[1], want[1]), f"trial {trial} (killed at {at:.2f} s): the optimizer state differs"
         assert got[2] == want[2], f"trial {trial} (killed at {at:.2f} s): rewards {got[2]} vs {want[2]}"
-    print(f"kill_trials={TRIALS} killed={len(killed_at)} run_seconds={seconds:.1f} set_up_seconds={first:.1f} "
+    print(f"kill_trials={TRIALS} killed={len(killed_at)} run_seconds={seconds:.1f} "
+          f"loop_seconds={first:.1f}-{last:.1f} "
           f"instants={[round(a, 2) for a in killed_at]} by_phase={hit}")
     assert len(killed_at) >= TRIALS // 2, "most instants fall inside the run"
