@@ -33,7 +33,7 @@ import torch
 
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
-from kernels.kda.recurrent import recurrent_kda
+from kernels.kda.recurrent import recurrent_kda_states
 from kernels.impl import require_cpu_ops
 from kernels.mla.paged import paged_mla_decode
 from kernels.mla.prefill import (TILE_SLOTS, attend_rows, attend_rows_weights, paged_mla_prefill,
@@ -41,6 +41,7 @@ from kernels.mla.prefill import (TILE_SLOTS, attend_rows, attend_rows_weights, p
 from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights
 from models.kda import KDALayer
 from models.mla import MLALayer
+from models.paged_positions import PositionWrites, add_position_writes, check_position_pages, write_position_states
 from models.state import SegmentBatch
 
 PREFILL_TILE_SLOTS = TILE_SLOTS
@@ -174,6 +175,10 @@ class PagedStep:
     RoPE always uses token positions; slots, causal masks and attention lengths use these."""
     kv_observer: KVObserver | None = None
     """Token eviction's hook (attention weights out, offloaded rows in); None = plain attention."""
+    position_pages: dict[int, list[list[int]]] | None = None
+    """KDA layer -> per sequence, the pages that receive its state and conv tails after each of its
+    first n - 1 new tokens ([] for none; models/paged_positions.py): speculative verification's
+    rollback slots. Layers of one cache group share one list object. None = none anywhere."""
 
     @property
     def decode_seqs(self) -> list[int]:
@@ -280,7 +285,12 @@ class PagedMixer:
         # MLA prefill cost grows with (new tokens x context): bucket by context length instead.
         self.attn_groups = _length_buckets(self.prefill, [self.kv_starts[i] + new_lens[i] for i in self.prefill])
         bucket_keys = {tuple(seqs): self._add_bucket(seqs) for seqs in self.prefill_groups + self.attn_groups}
+        if step.position_pages is not None and step.check:
+            check_position_pages(step.position_pages, batch)
+        position_keys = (add_position_writes(meta, step.position_pages, self.prefill_groups)
+                         if step.position_pages is not None else {})
         meta.move(dev)
+        self.position_writes = {k: (meta[a], meta[b], meta[c], top) for k, (a, b, c, top) in position_keys.items()}
         self.positions = meta[key["positions"]]
         self.decode_seq_lens = meta[key["decode_seq_lens"]]
         if self.pure_decode:
@@ -344,16 +354,19 @@ class PagedMixer:
                 return layer.output(out, gate)
             core[self.decode_rows] = out
         for group in self.prefill_groups:
-            self._kda_prefill(layer, self.buckets[tuple(group)], mixed, g, beta, state, conv, pages, core)
+            writes = (self.position_writes.get((id(self.step.position_pages[index]), tuple(group)))
+                      if self.position_writes else None)
+            self._kda_prefill(layer, self.buckets[tuple(group)], mixed, g, beta, state, conv, pages, core, writes)
         return layer.output(core, gate)
 
     def _kda_prefill(self, layer: KDALayer, bucket: _Bucket, mixed: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, conv: torch.Tensor, pages: torch.Tensor,
-                     core: torch.Tensor) -> None:
+                     core: torch.Tensor, writes: PositionWrites | None = None) -> None:
         """Chunked KDA over several sequences' new tokens at once, right-padded to the longest.
 
         Padded steps get beta = 0 (nothing written) and g = 0 (no decay), so they leave the state
-        exactly as the last real token left it; their outputs are discarded.
+        exactly as the last real token left it; their outputs are discarded. `writes`: the states
+        after given positions, into pages of their own as well (models/paged_positions.py).
         """
         num, width, src, dst = len(bucket.seqs), bucket.width, bucket.src, bucket.dst
         padded_mixed, padded_g, padded_beta = (_pad(x, src, dst, num, width) for x in (mixed, g, beta))  # [Bp, Lmax, ...]
@@ -364,11 +377,16 @@ class PagedMixer:
         tails = _tails_to_layer(conv.index_select(0, seq_pages).masked_fill(fresh[..., None], 0.0))  # [Bp, K-1, 3*qkv]
         q, k, v, ext = layer.short_conv(padded_mixed, tails)
         form, chunk_len = torch_prefill_form(num, width)
+        positions = range(1, writes[3] + 1) if writes is not None else ()
         if self.step.impl != "triton" and form == "recurrent":
-            o, final = recurrent_kda(q, k, v, padded_g, padded_beta, initial_state=init)
+            o, final, kept = recurrent_kda_states(q, k, v, padded_g, padded_beta, initial_state=init,
+                                                  state_positions=positions)
         else:
-            o, final, _ = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
-                                    chunk_len=chunk_len or 16)
+            o, final, kept = chunk_kda(q, k, v, padded_g, padded_beta, initial_state=init, impl=self.step.impl,
+                                       chunk_len=chunk_len or 16, state_positions=positions)
+        if writes is not None:
+            write_position_states(writes, kept, ext, state, conv, layer.kernel,
+                                  lambda tails: _tails_to_pool(tails, layer.num_heads))
         state.index_copy_(0, seq_pages, final.to(state.dtype))
         ends = bucket.lens[:, None] + torch.arange(layer.kernel - 1, device=self.device)[None]  # [Bp, K-1] ext rows of the new tail
         new_tails = ext[torch.arange(num, device=self.device)[:, None], ends]  # [Bp, K-1, 3*qkv]

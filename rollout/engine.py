@@ -31,7 +31,7 @@ from memory.page_pool import OutOfPages, PagePool
 from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
 from rollout.cache_manager import CacheManager
-from rollout.engine_config import EngineConfig
+from rollout.engine_config import ContextTooLong, EngineConfig
 from rollout.kv_eviction import KVEvictor
 from rollout.lockstep import Lockstep
 from rollout.host_tier import HostTier
@@ -41,22 +41,7 @@ from rollout.prefix_cache import PrefixCache
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, SamplingRows, sample_rows
 from rollout.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-
-
-class ContextTooLong(ValueError):
-    """A request the engine can never run: its prompt leaves no room under `max_model_len` (which
-    the pool is sized to hold, see `Engine.check_context`). Raised before anything changes; the
-    figures are attributes so a caller (the RL driver) can log and count the drop."""
-
-    def __init__(self, message: str, *, num_tokens: int, max_model_len: int, pages_needed: int,
-                 pool_pages: int) -> None:
-        super().__init__(message)
-        self.num_tokens = num_tokens
-        """Prompt tokens of the refused request."""
-        self.max_model_len = max_model_len
-        self.pages_needed = pages_needed
-        """Pages one sequence of the prompt + 1 generated token needs."""
-        self.pool_pages = pool_pages
+from rollout.speculation import Speculator, Verification
 
 
 def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -112,6 +97,9 @@ class Engine:
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
         self.lockstep = Lockstep(model)  # expert parallelism: every step is the expert-parallel group's
+        self.speculator = (Speculator(self.cache, config.num_speculative_tokens, config.ngram_min, config.ngram_max,
+                                      config.max_num_batched_tokens, config.max_model_len)
+                           if config.speculative != "off" else None)
         longest = config.longest_kv_tokens
         max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
         if max_pages > self.pool.num_pages:
@@ -249,9 +237,10 @@ class Engine:
         finished: list[RequestOutput] = []
         self.lockstep.before_step(bool(scheduled.seqs), self.has_unfinished)  # expert parallelism: the group's step
         if scheduled.seqs:
+            verify = self.speculator.plan(scheduled) if self.speculator is not None else None
             plan = self._prepare(scheduled)
-            logits, settings = self._run(scheduled, plan)
-            finished = self._postprocess(self._sample(plan, logits, settings))
+            logits, settings, verified = self._run(scheduled, plan, verify)
+            finished = self._postprocess(self._sample(plan, logits, settings) + verified)
         self.num_steps += 1
         if not self.scheduler.has_work:
             self.cache.idle()
@@ -292,12 +281,18 @@ class Engine:
         return _SamplePlan(rows, SamplingRows.plan(params, [g for _, gens in rows for g in gens],
                                                    self.model.config.vocab_size))
 
-    def _run(self, scheduled: ScheduledStep, plan: _SamplePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward pass: returns the sampling rows' logits and the sampler's settings on the device."""
-        _, logits, settings = self.runner.run(scheduled, plan.sampling)  # draws written into its metadata copy
-        self.cache.after_forward(scheduled.seqs)  # index what this pass computed, before anything finishes
-        self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)
-        return logits, settings
+    def _run(self, scheduled: ScheduledStep, plan: _SamplePlan, verify: Verification | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[Sequence, int, float]]]:
+        """The forward pass: returns the sampling rows' logits, the sampler's settings on the device, and
+        the verifying sequences' samples (accepted and rolled back, rollout/speculation.py)."""
+        _, logits, settings, verify_logits = self.runner.run(scheduled, plan.sampling, verify)  # draws in its copy
+        self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)  # position pages included
+        verified: list[tuple[Sequence, int, float]] = []
+        if verify is not None:
+            verified, entropy = self.speculator.settle(scheduled, verify, verify_logits)
+            self.entropy_sum += entropy
+        self.cache.after_forward(scheduled.seqs)  # index what this pass kept, before anything finishes
+        return logits, settings, verified
 
     def _sample(self, plan: _SamplePlan, logits: torch.Tensor, settings: torch.Tensor | None
                 ) -> list[tuple[Sequence, int, float]]:
@@ -333,7 +328,8 @@ class Engine:
     def _postprocess(self, samples: list[tuple[Sequence, int, float]]) -> list[RequestOutput]:
         """Append the sampled tokens (finishing sequences that stop); returns the finished requests."""
         for seq, token, logprob in samples:
-            self._append(seq, token, logprob)
+            if seq.status is not SeqStatus.FINISHED:  # a verification's tokens past a stop are dropped
+                self._append(seq, token, logprob)
         done = {seq.request_id for seq, _, _ in samples if seq.status is SeqStatus.FINISHED}
         return [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
 

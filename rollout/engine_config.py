@@ -3,7 +3,8 @@
 `kv_budget` nodes are Hydra groups of their own), so every knob has one name and one default. Each
 pool has one size knob, in MiB (`pool_mb`, `host_pool_mb`); `EngineConfig.for_pages` gives the MiB of
 an exact page count (tests). The requests' base seed is the Engine's `seed` argument (an RL run's is
-its `seed`), the progress bar `generate(progress=True)`'s: neither is a knob here."""
+its `seed`), the progress bar `generate(progress=True)`'s: neither is a knob here. `ContextTooLong` is
+what `max_model_len` refuses."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -19,6 +20,25 @@ if TYPE_CHECKING:
     from models.model import HybridLM
 
 MIB = 1 << 20
+
+
+class ContextTooLong(ValueError):
+    """A request the engine can never run: its prompt leaves no room under `max_model_len` (which
+    the pool is sized to hold, see `Engine.check_context`). Raised before anything changes; the
+    figures are attributes so a caller (the RL driver) can log and count the drop."""
+
+    def __init__(self, message: str, *, num_tokens: int, max_model_len: int, pages_needed: int,
+                 pool_pages: int) -> None:
+        super().__init__(message)
+        self.num_tokens = num_tokens
+        """Prompt tokens of the refused request."""
+        self.max_model_len = max_model_len
+        self.pages_needed = pages_needed
+        """Pages one sequence of the prompt + 1 generated token needs."""
+        self.pool_pages = pool_pages
+
+SPECULATIVE = ("off", "ngram")
+"""Speculative decoding methods (`EngineConfig.speculative`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +77,19 @@ class EngineConfig:
     kda_state_dtype: str = "fp32"
     """Element type of the KDA state pages ("fp32" | "bf16"), independent of the MLA cache, which
     takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
+    speculative: str = "off"
+    """Speculative decoding (rollout/speculation.py): "off", or "ngram" (prompt lookup: proposals copied
+    from the sequence's own earlier tokens, no extra model), verified in one forward with the target's
+    exact distribution and logprobs."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per sequence and step (the verify chunk is this + 1; adapted per sequence)."""
+    ngram_min: int = 1
+    """Shortest suffix the n-gram proposer looks up in the sequence's earlier tokens."""
+    ngram_max: int = 4
+    """Longest suffix it looks up (the longest that matches wins)."""
 
     def __post_init__(self) -> None:
+        self._check_speculation()
         try:
             parse_dtype(self.kda_state_dtype)
         except ValueError as err:
@@ -76,6 +107,20 @@ class EngineConfig:
                              f"pool) or 'auto'")
         if self.kernel_impl is not None:
             check_impl(self.kernel_impl)
+
+    def _check_speculation(self) -> None:
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative={self.speculative!r}, expected one of {', '.join(SPECULATIVE)}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r}, expected an integer >= 1")
+        sizes = (self.ngram_min, self.ngram_max)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 1 <= sizes[0] <= sizes[1]:
+            raise ValueError(f"ngram_min={self.ngram_min!r}, ngram_max={self.ngram_max!r}: expected integers with "
+                             f"1 <= ngram_min <= ngram_max")
+        if self.speculative != "off" and self.kv_budget is not None:
+            raise ValueError(f"speculative={self.speculative!r} with a KV budget (kv_budget): token eviction "
+                             f"and speculation do not run together; turn one off (engine.speculative=off)")
 
     @property
     def pool_bytes(self) -> int:

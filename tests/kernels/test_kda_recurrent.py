@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels.kda.naive import naive_recurrent_kda
-from kernels.kda.recurrent import recurrent_kda
+from kernels.kda.recurrent import recurrent_kda, recurrent_kda_states
 
 
 def inputs(B, T, H, K, V, seed):
@@ -34,3 +34,21 @@ def test_bad_shapes_are_named():
     q, k, v, g, beta = inputs(2, 3, 1, 4, 4, seed=0)
     with pytest.raises(ValueError, match="beta shape"):
         recurrent_kda(q, k, v, g, beta[:, :2])
+
+
+@pytest.mark.parametrize("positions", [[], [0], [1, 2, 5], [0, 3, 17]])
+def test_states_at_positions_match_the_references(positions):
+    """The states after the first p tokens (speculative verification's rollback slots) equal the
+    reference recurrence's, which returns them the same way; o and the final state are unchanged."""
+    q, k, v, g, beta = inputs(3, 17, 2, 8, 6, seed=4)
+    init = torch.randn(3, 2, 8, 6, generator=torch.Generator().manual_seed(1))
+    o, final, kept = recurrent_kda_states(q, k, v, g, beta, initial_state=init, state_positions=positions)
+    o_ref, final_ref, kept_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=init, state_positions=positions)
+    assert kept.shape == (3, len(positions), 2, 8, 6)
+    torch.testing.assert_close(kept, kept_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-6)
+    if 0 in positions:
+        assert torch.equal(kept[:, 0], init)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        recurrent_kda_states(q, k, v, g, beta, state_positions=[3, 2])

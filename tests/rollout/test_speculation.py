@@ -1,0 +1,192 @@
+"""Speculative decoding in the engine (rollout/speculation.py): greedy speculation emits plain decoding's
+tokens and logprobs with proposals always right, always wrong, random, and from the n-gram proposer; after
+every step each running sequence's pool state (MLA latents of its computed tokens, KDA states and conv
+tails) equals a from-scratch recompute of its computed prefix; pool integrity holds after every step; with
+the prefix cache every registered entry is a recompute of verified tokens and the output is the same."""
+import random
+
+import pytest
+import torch
+
+from rollout.engine import Engine, EngineConfig
+from rollout.prefix_cache import PrefixCacheConfig
+from rollout.request import SeqStatus
+from rollout.sampling import SamplingParams
+from rollout.speculation import NgramProposer
+from tests.rollout.test_prefix_cache import HB, make_verifier
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    """Random prompts with repeats inside (as tool output copied into a conversation): n-grams recur."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        piece = [rng.randrange(256) for _ in range(rng.randint(3, 9))]
+        out.append([rng.randrange(256) for _ in range(rng.randint(2, 20))] + piece * rng.randint(1, 3)
+                   + [rng.randrange(256) for _ in range(rng.randint(0, 6))])
+    return out
+
+
+class Oracle:
+    """Proposes what plain decoding will emit (always right), or its tokens shifted by one (always wrong)."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
+        self.expected, self.wrong = expected, wrong
+
+    def propose(self, seq, k):
+        for prompt, out in self.expected.items():
+            n = len(prompt)
+            if tuple(seq.tokens[:n]) == prompt:
+                done = len(seq.tokens) - n
+                guess = out[done:done + k]
+                return [(t + 1) % 256 for t in guess] if self.wrong else guess
+        raise AssertionError("unknown sequence")
+
+
+class RandomProposer:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, seq, k):
+        return [self.rng.randrange(256) for _ in range(self.rng.randint(1, k))]
+
+
+def engine_for(model, speculative: str = "off", prefix: bool = False, pages: int = 80, **knobs) -> Engine:
+    return Engine(model, EngineConfig.for_pages(
+        model, pages, max_model_len=200, check_every_step=True, speculative=speculative,
+        prefix_cache=PrefixCacheConfig(hash_block=HB, model_id="tiny") if prefix else None, **knobs))
+
+
+def generate(engine: Engine, batch: list[list[int]], params=GREEDY, after_step=None, turns=False):
+    """Run `batch` to the end; `turns`: each prompt ends a conversation turn (the prefix cache keeps a KDA
+    checkpoint there)."""
+    ids = [engine.add_request(p, params, turn_boundaries=[len(p)] if turns else ()) for p in batch]
+    outs = {}
+    while len(outs) < len(ids):
+        for out in engine.step():
+            outs[out.request_id] = out
+        if after_step is not None:
+            after_step(engine)
+    return [outs[i].samples[0] for i in ids]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def pool_states(engine: Engine, seq) -> list[torch.Tensor]:
+    """A running sequence's pool entries for its computed tokens: each KDA layer's state and conv tails,
+    each MLA layer's latents of tokens 0 .. num_computed - 1."""
+    out = []
+    for g, layers in enumerate(engine.layout.kda_groups):
+        for layer in layers:
+            state = engine.pool.read_kda_state(seq.kda_pages[g], layer)
+            out += [state.recurrent.clone(), state.conv_tail.clone()]
+    for g, layers in enumerate(engine.layout.mla_groups):
+        for layer in layers:
+            view = engine.pool.mla_view(layer)
+            out.append(torch.cat([view[p] for p in seq.mla_pages[g]])[:seq.num_computed].clone())
+    return out
+
+
+def snapshots(record: dict, compare: dict | None = None):
+    """After each step, each running sequence's pool entries keyed by (prompt, num_computed): recorded
+    (a plain run's), or compared with the plain run's at the same key (every key must be there)."""
+    def after_step(engine):
+        for seq in engine.sequences():
+            if seq.status is not SeqStatus.RUNNING or not seq.holds_pages or seq.num_computed < seq.prompt_len:
+                continue
+            key = (tuple(seq.tokens[:seq.prompt_len]), seq.num_computed)
+            got = pool_states(engine, seq)
+            if compare is None:
+                record[key] = got
+                continue
+            errors = [rel(a, b) for a, b in zip(got, compare[key])]
+            record["first_layer"] = max(record.get("first_layer", 0.0), *errors[:2])
+            record["worst"] = max(record.get("worst", 0.0), *errors)
+            record["checked"] = record.get("checked", 0) + 1
+    return after_step
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    batch, states = prompts(6, seed=1), {}
+    samples = generate(engine_for(tiny_model), batch, after_step=snapshots(states))
+    return batch, samples, states
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong", "random"])
+def test_greedy_speculation_emits_plain_decodings_tokens_and_logprobs(tiny_model, plain, proposer):
+    batch, want, plain_states = plain
+    engine = engine_for(tiny_model, "ngram", num_speculative_tokens=4)
+    expected = {tuple(p): s.tokens for p, s in zip(batch, want)}
+    if proposer != "ngram":
+        engine.speculator.proposer = {"right": Oracle(expected), "wrong": Oracle(expected, wrong=True),
+                                      "random": RandomProposer(3)}[proposer]
+    checked: dict = {}
+    got = generate(engine, batch, after_step=snapshots(checked, plain_states))
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, rel=1e-5, abs=1e-6)  # measured: <= 1.0e-5 absolute, 3e-6 relative
+    spec = engine.speculator
+    assert spec.num_verifications > 0 and checked["checked"] > 0
+    # The accepted prefix's KV and KDA states are a plain run's: the first layer (the same inputs) within
+    # 1e-6, deeper layers within 1e-5 (a verify chunk and a decode step round differently in fp32, and the
+    # difference rides through the layers: ~2e-6 at the last here, as between two chunkings of a prompt).
+    assert checked["first_layer"] <= 1e-6 and checked["worst"] <= 1e-5, checked
+    if proposer == "right":
+        assert spec.acceptance_rate == 1.0
+        assert engine.num_steps < 24 * 6  # several tokens per step
+    if proposer == "wrong":
+        assert spec.num_accepted == 0
+    assert engine.pool.num_used == 0
+
+
+def test_with_the_prefix_cache_output_is_the_same_and_only_verified_tokens_are_cached(tiny_model, plain):
+    """Random proposals (mostly rejected: unverified tokens sit in the pool's slots and position pages):
+    after every step every index entry is a recompute of a prefix of what plain decoding produced (a
+    proposal in a cached block would not be), and a next turn (the prompt and 5 of its tokens) hits them
+    and decodes the same."""
+    batch, want, _ = plain
+    engine = engine_for(tiny_model, "ngram", prefix=True)
+    engine.speculator.proposer = RandomProposer(5)
+    verify, checked = make_verifier(tiny_model, [p + s.tokens for p, s in zip(batch, want)])
+    first = generate(engine, batch, after_step=verify, turns=True)
+    later = SamplingParams(temperature=0.0, max_new_tokens=19, ignore_eos=True)  # the next turn: the same ends
+    again = generate(engine, [p + s.tokens[:5] for p, s in zip(batch, want)], later, after_step=verify, turns=True)
+    assert [s.tokens for s in first] == [s.tokens for s in want]
+    assert [s.tokens for s in again] == [s.tokens[5:] for s in want]
+    assert engine.cache.prefix.hit_tokens > 0 and checked["mla"] > 0 and checked["kda"] > 0
+    assert engine.speculator.num_verifications > 0
+
+
+def test_sampled_speculation_is_seeded_and_keeps_the_budget(tiny_model):
+    batch = prompts(4, seed=2)
+    params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=10, seed=11, ignore_eos=True)
+    runs = [generate(engine_for(tiny_model, "ngram"), batch, params) for _ in range(2)]
+    assert [s.tokens for s in runs[0]] == [s.tokens for s in runs[1]]
+    assert all(len(s.tokens) == 10 and len(s.logprobs) == 10 == len(s.versions) for s in runs[0])
+
+
+def test_ngram_proposer_copies_the_continuation_of_the_latest_match():
+    class Seq:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    seq = Seq([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2])
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose(seq, 3) == [3, 7, 8]  # "1 2" last seen before 3 7 8 ...
+    seq.tokens += [3]
+    assert proposer.propose(seq, 2) == [7, 8]  # "1 2 3" -> 7 8 (the latest of two)
+    seq.tokens += [4]
+    assert proposer.propose(seq, 2) == []  # "4" never occurred before
+
+
+def test_speculation_with_a_kv_budget_is_refused_at_config_time(tiny_model):
+    from rollout.kv_eviction import KVBudgetConfig
+    with pytest.raises(ValueError, match="speculative='ngram' with a KV budget"):
+        EngineConfig(speculative="ngram", kv_budget=KVBudgetConfig(policy="h2o", budget_tokens=64))
+    with pytest.raises(ValueError, match="speculative='eagle', expected one of off, ngram"):
+        EngineConfig(speculative="eagle")
