@@ -153,10 +153,12 @@ class Dispatcher:
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
         """Pages the request's sequences hold at full length (prompt + max_new_tokens), plus, with the
-        prefix cache on, each sequence's resume point in the cache (`_resume_pages`)."""
-        cache = self.engine.cache
+        prefix cache on, each sequence's resume point in the cache (`_resume_pages`), plus, with
+        speculation on, the position pages a verification step holds (`Speculator.step_pages`)."""
+        cache, speculator = self.engine.cache, self.engine.speculator
         tokens = min(len(prompt) + params.max_new_tokens, self.engine.config.max_model_len)
-        return (cache.pages_for_tokens(tokens) + self._resume_pages) * params.n
+        verify = speculator.step_pages if speculator is not None else 0
+        return (cache.pages_for_tokens(tokens) + self._resume_pages + verify) * params.n
 
     @property
     def _resume_pages(self) -> int:

@@ -102,6 +102,13 @@ class Speculator:
         self.num_verifications = 0
 
     @property
+    def step_pages(self) -> int:
+        """Pages a verifying sequence holds beyond its KV during a step: k position pages per KDA cache
+        group (freed before the step ends; the k + 1 MLA slots lie within its full length, as proposals
+        stop short of max_new_tokens). What the dispatcher's full-length admission reserves."""
+        return self.max_k * self.cache.num_kda_groups
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted over proposed tokens since the engine was built (0 before any proposal)."""
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0

@@ -83,6 +83,12 @@ def straight(tmp_path_factory) -> tuple[Path, float, float, float]:
     return base / "run", *times
 
 
+def wait_for_records(proc: subprocess.Popen, path: Path, count: int) -> None:
+    """Until `path` holds `count` records (lines) or the process ends."""
+    while proc.poll() is None and (path.read_bytes().count(b"\n") if path.exists() else 0) < count:
+        time.sleep(0.005)
+
+
 def phase_at_kill(run_dir: Path, phases: list[str]) -> str:
     """The phase the kill fell in: the one after the killed run's last phase record (records are written as
     each phase ends), named as the uninterrupted run's `phases` (phase names) list names it."""
@@ -101,11 +107,18 @@ def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run
     hit: dict[str, int] = {}
     for trial in range(TRIALS):
         run_dir = tmp_path / f"trial{trial}"
-        at = rng.uniform(0.0, seconds) if trial % 4 == 0 else rng.uniform(first, last)  # mostly in the loop
+        # One in four at an instant of the whole run (set-up and exit included); the others a random delay
+        # after a random phase record (records as the straight run wrote them), so the kills spread over
+        # the loop's phases whatever the jitter of the set-up's time.
+        after = None if trial % 4 == 0 else rng.randrange(len(phases))
+        delay = rng.uniform(0.0, seconds) if after is None else rng.uniform(0.0, 0.15)
         proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
+        if after is not None:
+            wait_for_records(proc, run_dir / "phases.jsonl", after)
+        at = f"{delay:.2f} s" + ("" if after is None else f" after phase record {after}")
         try:
-            proc.wait(timeout=at)
+            proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -114,12 +127,12 @@ def test_sigkill_at_random_instants_then_resume_reproduces_the_uninterrupted_run
             hit[phase] = hit.get(phase, 0) + 1
         again = subprocess.run(command(run_dir, "resume=true"), cwd=ROOT, env=env(), capture_output=True,
                                text=True, timeout=600)
-        assert again.returncode == 0, f"trial {trial} (killed at {at:.2f} s): {again.stderr[-3000:]}"
+        assert again.returncode == 0, f"trial {trial} (killed at {at}): {again.stderr[-3000:]}"
         got = final_state(run_dir)
-        assert same_tensors(got[0], want[0]), f"trial {trial} (killed at {at:.2f} s): the weights differ"
-        assert same_tensors(got[1], want[1]), f"trial {trial} (killed at {at:.2f} s): the optimizer state differs"
-        assert got[2] == want[2], f"trial {trial} (killed at {at:.2f} s): rewards {got[2]} vs {want[2]}"
+        assert same_tensors(got[0], want[0]), f"trial {trial} (killed at {at}): the weights differ"
+        assert same_tensors(got[1], want[1]), f"trial {trial} (killed at {at}): the optimizer state differs"
+        assert got[2] == want[2], f"trial {trial} (killed at {at}): rewards {got[2]} vs {want[2]}"
     print(f"kill_trials={TRIALS} killed={len(killed_at)} run_seconds={seconds:.1f} "
           f"loop_seconds={first:.1f}-{last:.1f} "
-          f"instants={[round(a, 2) for a in killed_at]} by_phase={hit}")
+          f"by_phase={hit} instants={killed_at}")
     assert len(killed_at) >= TRIALS // 2, "most instants fall inside the run"

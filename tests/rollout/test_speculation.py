@@ -190,3 +190,78 @@ def test_speculation_with_a_kv_budget_is_refused_at_config_time(tiny_model):
         EngineConfig(speculative="ngram", kv_budget=KVBudgetConfig(policy="h2o", budget_tokens=64))
     with pytest.raises(ValueError, match="speculative='eagle', expected one of off, ngram"):
         EngineConfig(speculative="eagle")
+
+
+@pytest.mark.parametrize("pages,host_pages", [(14, 0), (14, 24)], ids=["recompute", "swap"])
+def test_a_small_pool_preempts_and_speculation_still_decodes_plainly(tiny_model, plain, pages, host_pages):
+    """A pool too small for every sequence at once: preemption (recompute, or swap to the host tier), and
+    steps where the position pages do not fit (those sequences decode plainly); greedy output unchanged,
+    integrity after every step, every page back at the end."""
+    batch = [p + p[:30] for p in plain[0]]  # 54-60 tokens: growing past a 64-token page preempts
+    want = generate(engine_for(tiny_model), batch)
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, pages, host_pages=host_pages, max_model_len=100,
+                                                       check_every_step=True, speculative="ngram"))
+    expected = {tuple(p): s.tokens for p, s in zip(batch, want)}
+    engine.speculator.proposer = Oracle(expected)
+    got = generate(engine, batch)
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert engine.scheduler.num_preemptions > 0 and engine.speculator.num_verifications > 0
+    assert engine.pool.num_used == 0
+    if host_pages:
+        assert engine.scheduler.num_swapped_out > 0
+
+
+def test_pause_resume_and_a_stop_inside_a_verification(tiny_model, plain):
+    """A request paused mid-generation and resumed decodes on as if never paused; a stop token that lands
+    inside a verified run of proposals ends the request there (the tokens after it are dropped)."""
+    batch, want, _ = plain
+    expected = {tuple(p): s.tokens for p, s in zip(batch, want)}
+    stop_at = 7  # the 8th generated token of the first prompt becomes a stop token
+    stop = want[0].tokens[stop_at]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    engine = engine_for(tiny_model, "ngram")
+    engine.speculator.proposer = Oracle(expected)
+    first = engine.add_request(batch[0], params)
+    second = engine.add_request(batch[1], GREEDY)
+    outs = {}
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step())
+    engine.pause(second)
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step())
+    engine.resume(second)
+    while len(outs) < 2:
+        outs.update((o.request_id, o) for o in engine.step())
+    cut = want[0].tokens.index(stop) + 1
+    assert outs[first].samples[0].tokens == want[0].tokens[:cut] and outs[first].samples[0].finish_reason == "stop"
+    assert outs[second].samples[0].tokens == want[1].tokens
+    assert engine.pool.num_used == 0
+
+
+def test_forks_speculate_on_their_own_and_stay_seeded(tiny_model):
+    """n = 4 samples of one prompt (forked after its prefill) each speculate; two runs with one seed agree
+    and every sample holds max_new_tokens tokens with their logprobs and versions."""
+    prompt = prompts(1, seed=9)[0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=5, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = engine_for(tiny_model, "ngram")
+        engine.speculator.proposer = RandomProposer(1)
+        (out,) = engine.generate([prompt], params)
+        runs.append([s.tokens for s in out.samples])
+        assert all(len(s.tokens) == len(s.logprobs) == len(s.versions) == 12 for s in out.samples)
+        assert engine.speculator.num_verifications > 0 and engine.pool.num_used == 0
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
+
+
+def test_the_auto_throttle_reserves_a_verifications_position_pages(tiny_model):
+    """Full-length KV admission counts, per sample, the k position pages per KDA group a verification
+    step holds beyond the sequence's KV (plain engines reserve none)."""
+    from rollout.dispatcher import Dispatcher, ThrottleConfig
+
+    prompt = list(range(1, 30))
+    params = SamplingParams(max_new_tokens=20, n=3)
+    plain_pages = Dispatcher(engine_for(tiny_model), ThrottleConfig())._full_length_pages(prompt, params)
+    engine = engine_for(tiny_model, "ngram", num_speculative_tokens=5)
+    spec_pages = Dispatcher(engine, ThrottleConfig())._full_length_pages(prompt, params)
+    assert spec_pages - plain_pages == 3 * 5 * engine.cache.num_kda_groups

@@ -1,0 +1,161 @@
+"""Speculative decoding in rollouts: n-gram proposals verified in one forward vs plain decoding, on the
+agentic tool task's rollouts (tool_arith: "37*8=" -> "[py:37*8]" -> the sandbox's "=296;" -> "296") and on
+key_lookup (call the key, read the value, answer it), side by side in one run.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.speculative [--quick]
+
+For each task the tiny model (configs/model/tiny.yaml) first imitates the task's demonstrations
+(`--warmup-steps` AdamW steps on whole demonstrated episodes: a stand-in for the pretrained policy of real
+RL, which copies from its context as these do), then one rollout iteration (`--groups` x `--group-size`
+trajectories, the RL driver with its environments; tool calls in the sandbox on worker threads) runs on two
+fresh engines with the same weights: engine.speculative=off and =ngram. Sampled at temperature 1 (as RL
+samples): decode tokens per second of engine time (`engine_step_seconds`, the tools' time left out); and
+greedy: the trajectories must be the same token for token, with the same behaviour logprobs. The
+distribution test draws `--draws` two-token continuations through the acceptance rule on a 5-token bigram
+target with random proposals, against the target's probabilities (chi-square at the 99.99% quantile).
+Final line (ratios first): spec_vs_plain_tokens_per_s (agentic) same_greedy_tokens logprob_max_abs_err
+acceptance_rate (agentic) distribution_test_pass key_lookup_spec_vs_plain_tokens_per_s
+key_lookup_acceptance_rate plain_tok_s spec_tok_s verifications
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from benchmarks import parse_args
+from models.config import load_model_config
+from models.model import HybridLM
+from models.tokenizer import ByteTokenizer
+from rl.envs.tasks.base import make_task
+from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
+from rl.episodes.env_runner import EnvConfig
+from rl.envs.tools.python_exec import close_sandboxes
+from rl.run.warmup import demo_tokens
+from rollout.engine import Engine, EngineConfig
+from rollout.sampling import SamplingParams
+from rollout.spec_accept import accept
+
+TASKS = {"agentic": ("tool_arith", 12), "key_lookup": ("key_lookup", 2)}
+"""Workload -> (task, max_new_tokens per turn: the task's answer length)."""
+
+
+def warmed_model(task: str, steps: int, seed: int) -> HybridLM:
+    """The tiny model after `steps` AdamW steps (lr 2e-3) on 16 whole demonstrated episodes each: the mean
+    NLL of the answer tokens."""
+    torch.manual_seed(seed)
+    model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=seed)
+    env, tokenizer = make_task(task), ByteTokenizer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
+    model.train()
+    for step in range(steps):
+        episodes = [demo_tokens(env, tokenizer, mix_seed(seed, step * 16 + j), value=True) for j in range(16)]
+        total = sum(sum(policy[1:]) for _, policy in episodes)
+        loss = torch.zeros(())
+        for tokens, policy in episodes:
+            logp = torch.log_softmax(model(torch.tensor([tokens[:-1]]))[0].float(), dim=-1)  # [T-1, vocab]
+            picked = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            loss = loss - (picked * torch.tensor(policy[1:], dtype=torch.float32)).sum() / total
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def rollout(model: HybridLM, task: str, max_new: int, speculative: str, args, greedy: bool):
+    """One iteration on a fresh engine: (engine figures, trajectories as (id, tokens, logprobs), speculator)."""
+    engine = Engine(model, EngineConfig.for_pages(model, 160, max_model_len=64, max_num_batched_tokens=1024,
+                                                  speculative=speculative,
+                                                  num_speculative_tokens=args.num_speculative_tokens))
+    config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=max_new)
+    driver = RolloutDriver(engine, ByteTokenizer(), task, {}, config, group_size=args.group_size, seed=3,
+                           env=EnvConfig(workers=8, timeout_s=10.0))
+    if greedy:
+        driver.sampling["temperature"] = 0.0
+    engine.load_weights(model.state_dict(), version=1)
+    result = driver.rollout()
+    if driver.runner is not None:
+        driver.runner.close()
+    m = result.metrics
+    trajs = sorted((t.traj_id, tuple(t.tokens), tuple(t.logprobs)) for g in result.groups for t in g)
+    return {"tokens": m["rollout_tokens"], "engine_s": m["engine_step_seconds"], "steps": engine.num_steps}, \
+        trajs, engine.speculator
+
+
+def compare(model: HybridLM, task: str, max_new: int, args) -> dict[str, float]:
+    """Plain vs n-gram speculation on one task: sampled tokens/s, greedy equality and logprob error."""
+    fig = {}
+    for name in ("off", "ngram"):
+        runs = [rollout(model, task, max_new, name, args, greedy=False) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r[0]["engine_s"] / r[0]["tokens"])  # the least disturbed run
+        fig[f"{name}_tok_s"] = best[0]["tokens"] / best[0]["engine_s"]
+        fig[f"{name}_steps"] = best[0]["steps"]
+        if name == "ngram":
+            fig["acceptance_rate"] = best[2].acceptance_rate
+            fig["verifications"] = best[2].num_verifications
+    _, plain, _ = rollout(model, task, max_new, "off", args, greedy=True)
+    _, spec, _ = rollout(model, task, max_new, "ngram", args, greedy=True)
+    fig["same_greedy_tokens"] = int([t[:2] for t in plain] == [t[:2] for t in spec])
+    fig["logprob_max_abs_err"] = max((abs(a - b) for p, s in zip(plain, spec) for a, b in zip(p[2], s[2])),
+                                     default=0.0)
+    fig["ratio"] = fig["ngram_tok_s"] / fig["off_tok_s"]
+    return fig
+
+
+def distribution_test(draws: int) -> tuple[bool, float]:
+    """Two tokens after token 0 through the acceptance rule, random proposals of 1-3 tokens, on a bigram
+    target: chi-square of the 25 outcomes against p(t1) p(t2 | t1), below its 99.99% quantile (55.9)."""
+    gen = torch.Generator().manual_seed(0)
+    bigram = torch.randn(5, 5, generator=gen)
+    params = SamplingParams(temperature=1.0)
+    rng, generator = random.Random(1), torch.Generator().manual_seed(2)
+    counts = torch.zeros(5, 5)
+    for _ in range(draws):
+        out, prev = [], 0
+        while len(out) < 2:
+            proposal = [rng.randrange(5) for _ in range(rng.randint(1, 3))]
+            logits = torch.stack([bigram[t] for t in [prev, *proposal]])
+            out += accept(logits, proposal, params, generator).tokens
+            prev = out[-1]
+        counts[out[0], out[1]] += 1
+    p = torch.softmax(bigram, dim=-1)
+    want = p[0][:, None] * p * draws
+    chi2 = float(((counts - want) ** 2 / want).sum())
+    return chi2 < 55.9, chi2
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=60)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--draws", type=int, default=6000)
+    args = parse_args(p, argv, {"groups": 2, "group_size": 4, "warmup_steps": 4, "repeats": 1, "draws": 600})
+    figures: dict[str, dict[str, float]] = {}
+    for workload, (task, max_new) in TASKS.items():
+        model = warmed_model(task, args.warmup_steps, seed=0)
+        figures[workload] = compare(model, task, max_new, args)
+        f = figures[workload]
+        print(f"{workload} ({task}): plain {f['off_tok_s']:.0f} tok/s ({f['off_steps']} steps), ngram "
+              f"{f['ngram_tok_s']:.0f} tok/s ({f['ngram_steps']} steps, {f['verifications']} verifications, "
+              f"acceptance {f['acceptance_rate']:.2f}): {f['ratio']:.2f}x; greedy same "
+              f"{f['same_greedy_tokens']}, logprob err {f['logprob_max_abs_err']:.1e}")
+    close_sandboxes()
+    passed, chi2 = distribution_test(args.draws)
+    print(f"distribution test: chi-square {chi2:.1f} over 25 outcomes ({args.draws} draws; bound 55.9)")
+    a, k = figures["agentic"], figures["key_lookup"]
+    out = {"spec_vs_plain_tokens_per_s": a["ratio"],
+           "same_greedy_tokens": int(a["same_greedy_tokens"] and k["same_greedy_tokens"]),
+           "logprob_max_abs_err": max(a["logprob_max_abs_err"], k["logprob_max_abs_err"]),
+           "acceptance_rate": a["acceptance_rate"], "distribution_test_pass": int(passed),
+           "key_lookup_spec_vs_plain_tokens_per_s": k["ratio"], "key_lookup_acceptance_rate": k["acceptance_rate"],
+           "plain_tok_s": a["off_tok_s"], "spec_tok_s": a["ngram_tok_s"], "verifications": a["verifications"]}
+    print(" ".join(f"{key}={value:.4g}" for key, value in out.items()))
+    return out
+
+
+if __name__ == "__main__":
+    main()
