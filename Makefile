@@ -11,7 +11,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
 export WANDB_MODE ?= offline
 export DS_BUILD_OPS := 0
 
-.PHONY: run test install apt clean
+.PHONY: run test test-slow install apt clean
 
 # The main job: a colocated RL run of the tiny model on CPU (experiment=cpu_demo, a few minutes).
 # Each `make run` writes a new run directory under runs/; continue one with
@@ -19,10 +19,16 @@ export DS_BUILD_OPS := 0
 run: apt $(STAMP)
 	$(PY) -m rl.train run_dir=runs/cpu_demo-$$(date +%Y%m%d-%H%M%S)
 
-# The whole suite, slow tests included (about 20 minutes alone on a 2-core host); prints its duration.
+# The suite without the tests marked slow (about 15 minutes alone on a 2-core host); `make test-slow` runs
+# those (multi-process runs, kills, the benchmarks' quick runs: about 10 more); CI runs both. Each prints
+# its duration.
 test: apt $(STAMP)
-	@start=$$(date +%s); $(PY) -m pytest -q --durations=20; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -m "not slow" --durations=20; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s, exit $$rc"; exit $$rc
+
+test-slow: apt $(STAMP)
+	@start=$$(date +%s); $(PY) -m pytest -q -m slow --durations=10; rc=$$?; \
+	  echo "make test-slow: $$(( $$(date +%s) - start )) s, exit $$rc"; exit $$rc
 
 install: $(STAMP)
 

@@ -46,7 +46,7 @@ class Forced:
     def __call__(self, step, *args):
         held = sum(len(pages) for s in self.engine.scheduler.running for pages in s.mla_pages)
         self.peak_mla_pages = max(self.peak_mla_pages, held)
-        sampling, logits, settings = self._run(step, *args)
+        sampling, logits, settings, verify_logits = self._run(step, *args)  # no speculation with a KV budget
         logits = logits.clone()  # an inference tensor: edit a copy
         for row, index in enumerate(sampling):
             seq = step.seqs[index]
@@ -55,7 +55,7 @@ class Forced:
                 forced = torch.full_like(logits[row], float("-inf"))
                 forced[self.reference[seq.request_id][seq.num_generated]] = 0.0
                 logits[row] = forced
-        return sampling, logits, settings
+        return sampling, logits, settings, verify_logits
 
 
 def run(model: HybridLM, prompts: list[list[int]], new_tokens: int, kv: KVBudgetConfig | None,
