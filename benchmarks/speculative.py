@@ -7,7 +7,8 @@ key_lookup (call the key, read the value, answer it), side by side in one run.
 For each task the tiny model (configs/model/tiny.yaml) first imitates the task's demonstrations
 (`--warmup-steps` AdamW steps on whole demonstrated episodes: a stand-in for the pretrained policy of real
 RL, which copies from its context as these do), then one rollout iteration (`--groups` x `--group-size`
-trajectories, the RL driver with its environments; tool calls in the sandbox on worker threads) runs on two
+trajectories, the RL driver with its environments; tool calls in the sandbox, inline so that both engines
+run the same steps and engine time holds no waiting) runs on two
 fresh engines with the same weights: engine.speculative=off and =ngram. Sampled at temperature 1 (as RL
 samples): decode tokens per second of engine time (`engine_step_seconds`, the tools' time left out); and
 greedy: the trajectories must be the same token for token, with the same behaviour logprobs. The
@@ -70,7 +71,7 @@ def rollout(model: HybridLM, task: str, max_new: int, speculative: str, args, gr
                                                   num_speculative_tokens=args.num_speculative_tokens))
     config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=max_new)
     driver = RolloutDriver(engine, ByteTokenizer(), task, {}, config, group_size=args.group_size, seed=3,
-                           env=EnvConfig(workers=8, timeout_s=10.0))
+                           env=EnvConfig(workers=0, timeout_s=10.0))  # inline: the same steps in both
     if greedy:
         driver.sampling["temperature"] = 0.0
     engine.load_weights(model.state_dict(), version=1)

@@ -153,12 +153,13 @@ class Dispatcher:
 
     def _full_length_pages(self, prompt: list[int], params: SamplingParams) -> int:
         """Pages the request's sequences hold at full length (prompt + max_new_tokens), plus, with the
-        prefix cache on, each sequence's resume point in the cache (`_resume_pages`), plus, with
-        speculation on, the position pages a verification step holds (`Speculator.step_pages`)."""
-        cache, speculator = self.engine.cache, self.engine.speculator
+        prefix cache on, each sequence's resume point in the cache (`_resume_pages`). Speculation adds
+        nothing: a verification's k + 1 slots lie within the full length (proposals stop short of
+        max_new_tokens), and its position pages are taken from free pages for one step only (a sequence
+        that finds none decodes plainly), so they never preempt anyone."""
+        cache = self.engine.cache
         tokens = min(len(prompt) + params.max_new_tokens, self.engine.config.max_model_len)
-        verify = speculator.step_pages if speculator is not None else 0
-        return (cache.pages_for_tokens(tokens) + self._resume_pages + verify) * params.n
+        return (cache.pages_for_tokens(tokens) + self._resume_pages) * params.n
 
     @property
     def _resume_pages(self) -> int:

@@ -3,7 +3,7 @@ back by choosing a page.
 
 Per step, after the scheduler: each decoding sequence (its one uncomputed token is the last it sampled)
 may get up to `num_speculative_tokens` proposals d_1 .. d_k from a proposer (`NgramProposer`: prompt lookup
-over the sequence's own tokens). It then computes k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
+over the sequence's own tokens, then over what the engine's sequences generated lately). It then computes k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
 MLA writes k + 1 slots; each KDA layer also writes its state and conv tails after each of the first k of
 them into k pages of their own per cache group (models/paged_positions.py). The target's logits at the
 k + 1 positions decide (rollout/spec_accept.py) how many proposals stay (a) and the token after them; then:
@@ -23,6 +23,7 @@ proposals were all rejected stops speculating for 2, 4, 8 ... (at most 64) of it
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -39,28 +40,42 @@ MAX_BACKOFF = 64
 
 class NgramProposer:
     """Prompt lookup: the continuation of the most recent earlier occurrence of the sequence's last n
-    tokens (the longest n in [ngram_min, ngram_max] that occurs). Agentic traces copy tool output and
-    prompts, so this needs no model. Each sequence's n-grams are indexed incrementally (the latest end
-    position of each), so a proposal costs O(ngram_max) lookups, not a scan of the context."""
+    tokens (the longest n in [ngram_min, ngram_max] that occurs), in the sequence itself or, failing a
+    longer match there, in what any sequence of the engine generated lately (a shared table of the last
+    `shared_entries` n-grams of generated text: agentic answers repeat their format across trajectories,
+    as suffix decoding exploits, Oliaro et al. 2024). Each sequence's n-grams are indexed incrementally
+    (the latest end position of each), so a proposal costs O(ngram_max) lookups, not a scan."""
 
-    def __init__(self, ngram_min: int, ngram_max: int) -> None:
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+    def __init__(self, ngram_min: int, ngram_max: int, shared_entries: int = 1 << 16) -> None:
+        self.ngram_min, self.ngram_max, self.shared_entries = ngram_min, ngram_max, shared_entries
         self._index: weakref.WeakKeyDictionary[Sequence, tuple[int, dict[tuple[int, ...], int]]] = \
             weakref.WeakKeyDictionary()
+        self._shared: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens to follow seq.tokens (fewer at the end of what was copied; [] when no n-gram
-        of the suffix occurred before)."""
+        of the suffix occurred before, here or in the shared table)."""
         tokens = seq.tokens
         upto, index = self._index.get(seq, (0, {}))
         for end in range(max(upto, 1), len(tokens)):  # n-grams ending at `end` (exclusive), followed by a token
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
-                index[tuple(tokens[end - n:end])] = end
+                key = tuple(tokens[end - n:end])
+                index[key] = end
+                if end > seq.prompt_len:  # generated text: shared
+                    self._shared[key] = (tokens, end)
+                    self._shared.move_to_end(key)
+        while len(self._shared) > self.shared_entries:
+            self._shared.popitem(last=False)
         self._index[seq] = (len(tokens), index)
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            end = index.get(tuple(tokens[len(tokens) - n:]))
+            key = tuple(tokens[len(tokens) - n:])
+            end = index.get(key)
             if end is not None:
                 return list(tokens[end:end + k])
+            shared = self._shared.get(key)
+            if shared is not None and shared[0] is not tokens:
+                source, end = shared
+                return list(source[end:end + k])
         return []
 
 
@@ -100,13 +115,6 @@ class Speculator:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
-
-    @property
-    def step_pages(self) -> int:
-        """Pages a verifying sequence holds beyond its KV during a step: k position pages per KDA cache
-        group (freed before the step ends; the k + 1 MLA slots lie within its full length, as proposals
-        stop short of max_new_tokens). What the dispatcher's full-length admission reserves."""
-        return self.max_k * self.cache.num_kda_groups
 
     @property
     def acceptance_rate(self) -> float:
