@@ -3,7 +3,8 @@ back by choosing a page.
 
 Per step, after the scheduler: each decoding sequence (its one uncomputed token is the last it sampled)
 may get up to `num_speculative_tokens` proposals d_1 .. d_k from a proposer (`NgramProposer`: prompt lookup
-over the sequence's own tokens, then over what the engine's sequences generated lately). It then computes k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
+over the sequence's own tokens, then over what the engine's sequences generated lately). It then computes
+k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
 MLA writes k + 1 slots; each KDA layer also writes its state and conv tails after each of the first k of
 them into k pages of their own per cache group (models/paged_positions.py). The target's logits at the
 k + 1 positions decide (rollout/spec_accept.py) how many proposals stay (a) and the token after them; then:
@@ -183,7 +184,8 @@ class Speculator:
         for i, proposal, pages, start in zip(plan.index, plan.proposals, plan.position_pages, plan.starts):
             seq, k = step.seqs[i], len(proposal)
             params = seq.params
-            verdict = accept(logits[row:row + k + 1], proposal, params, seq.generator if params.temperature > 0 else None)
+            generator = seq.generator if params.temperature > 0 else None
+            verdict = accept(logits[row:row + k + 1], proposal, params, generator)
             row += k + 1
             kept = verdict.num_accepted
             seq.num_computed = start + 1 + kept

@@ -129,7 +129,7 @@ def test_greedy_speculation_emits_plain_decodings_tokens_and_logprobs(tiny_model
     got = generate(engine, batch, after_step=snapshots(checked, plain_states))
     assert [s.tokens for s in got] == [s.tokens for s in want]
     for g, w in zip(got, want):
-        assert g.logprobs == pytest.approx(w.logprobs, rel=1e-5, abs=1e-6)  # measured: <= 1.0e-5 absolute, 3e-6 relative
+        assert g.logprobs == pytest.approx(w.logprobs, rel=1e-5, abs=1e-6)  # measured: <= 1.0e-5 abs, 3e-6 rel
     spec = engine.speculator
     assert spec.num_verifications > 0 and checked["checked"] > 0
     # The accepted prefix's KV and KDA states are a plain run's: the first layer (the same inputs) within
