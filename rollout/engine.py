@@ -41,7 +41,7 @@ from rollout.prefix_cache import PrefixCache
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, SamplingRows, sample_rows
 from rollout.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from rollout.speculation import Speculator, Verification
+from rollout.speculation import Sample, Speculator, Verification
 
 
 def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -282,22 +282,21 @@ class Engine:
                                                    self.model.config.vocab_size))
 
     def _run(self, scheduled: ScheduledStep, plan: _SamplePlan, verify: Verification | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[Sequence, int, float]]]:
+             ) -> tuple[torch.Tensor, torch.Tensor | None, list[Sample]]:
         """The forward pass: returns the sampling rows' logits, the sampler's settings on the device, and
         the verifying sequences' samples (accepted and rolled back, rollout/speculation.py)."""
         _, logits, settings, verify_logits = self.runner.run(scheduled, plan.sampling, verify)  # draws in its copy
         self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)  # position pages included
-        verified: list[tuple[Sequence, int, float]] = []
+        verified: list[Sample] = []
         if verify is not None:
-            verified, entropy = self.speculator.settle(scheduled, verify, verify_logits)
-            self.entropy_sum += entropy
+            verified = self.speculator.settle(scheduled, verify, verify_logits)
         self.cache.after_forward(scheduled.seqs)  # index what this pass kept, before anything finishes
         return logits, settings, verified
 
     def _sample(self, plan: _SamplePlan, logits: torch.Tensor, settings: torch.Tensor | None
-                ) -> list[tuple[Sequence, int, float]]:
+                ) -> list[Sample]:
         """Fork the prompts that finished prefilling, then draw one token per sampling sequence:
-        (sequence, token, logprob), in plan order."""
+        (sequence, token, logprob, entropy), in plan order."""
         seqs: list[Sequence] = []
         rows: list[int] = []  # row of logits each entry of seqs samples from (forks share one)
         kept: list[int] = []  # row of the sampler's plan each entry of seqs uses
@@ -322,15 +321,15 @@ class Engine:
             settings = None if settings is None else _select_runs(settings, kept)
             rows_plan = rows_plan.select(kept)
         tokens, logprobs, entropies = sample_rows(logits, rows_plan, settings, with_entropy=True)
-        self.entropy_sum += sum(entropies)
-        return list(zip(seqs, tokens, logprobs))
+        return list(zip(seqs, tokens, logprobs, entropies))
 
-    def _postprocess(self, samples: list[tuple[Sequence, int, float]]) -> list[RequestOutput]:
+    def _postprocess(self, samples: list[Sample]) -> list[RequestOutput]:
         """Append the sampled tokens (finishing sequences that stop); returns the finished requests."""
-        for seq, token, logprob in samples:
+        for seq, token, logprob, entropy in samples:
             if seq.status is not SeqStatus.FINISHED:  # a verification's tokens past a stop are dropped
                 self._append(seq, token, logprob)
-        done = {seq.request_id for seq, _, _ in samples if seq.status is SeqStatus.FINISHED}
+                self.entropy_sum += entropy
+        done = {seq.request_id for seq, *_ in samples if seq.status is SeqStatus.FINISHED}
         return [RequestOutput.of(self.requests[r]) for r in sorted(done) if self.requests[r].finished]
 
     @staticmethod

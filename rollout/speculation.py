@@ -35,6 +35,8 @@ from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
 from rollout.spec_accept import accept
 
+Sample = tuple[Sequence, int, float, float]
+"""A token a step emits: (sequence, token, behaviour logprob, entropy of its sampling distribution)."""
 MAX_BACKOFF = 64
 """Most tokens a sequence decodes plainly after a verification that kept nothing."""
 
@@ -173,13 +175,11 @@ class Speculator:
             return None
         return pages
 
-    def settle(self, step: ScheduledStep, plan: Verification, logits: torch.Tensor
-               ) -> tuple[list[tuple[Sequence, int, float]], float]:
+    def settle(self, step: ScheduledStep, plan: Verification, logits: torch.Tensor) -> list[Sample]:
         """Accept and roll back each verifying sequence (module docstring), before the cache indexes the
-        step. logits: [sum of k + 1, vocab], each sequence's rows in plan order. Returns its samples
-        (sequence, token, logprob), in order, and the sum of their sampling entropies."""
-        samples: list[tuple[Sequence, int, float]] = []
-        entropy = 0.0
+        step. logits: [sum of k + 1, vocab], each sequence's rows in plan order. Returns their samples
+        (sequence, token, logprob, sampling entropy), in order."""
+        samples: list[Sample] = []
         row = 0
         for i, proposal, pages, start in zip(plan.index, plan.proposals, plan.position_pages, plan.starts):
             seq, k = step.seqs[i], len(proposal)
@@ -197,9 +197,8 @@ class Speculator:
                 drop += [p for j, p in enumerate(group) if j != kept]  # all of them when kept == k
             self.pool.decref(drop)
             self._update_pace(seq, k, kept)
-            samples += [(seq, t, lp) for t, lp in zip(verdict.tokens, verdict.logprobs)]
-            entropy += sum(verdict.entropies)
-        return samples, entropy
+            samples += zip([seq] * len(verdict.tokens), verdict.tokens, verdict.logprobs, verdict.entropies)
+        return samples
 
     def _update_pace(self, seq: Sequence, k: int, kept: int) -> None:
         self.num_proposed += k

@@ -276,3 +276,20 @@ def test_the_auto_throttle_admits_as_without_speculation_and_nothing_is_preempte
     tight.speculator.proposer = Oracle({tuple(p): s.tokens for p, s in zip(batch, want)})
     assert [s.tokens for s in generate(tight, batch)] == [s.tokens for s in want]
     assert tight.scheduler.num_preemptions == 0 and tight.speculator.num_verifications > 0
+
+
+def test_the_entropy_sum_counts_the_emitted_tokens_only(tiny_model, plain):
+    """Greedy speculation with proposals always right and a stop inside a verified run: the engine's
+    entropy sum over the emitted tokens equals plain decoding's (tokens dropped past the stop add nothing)."""
+    batch, want, _ = plain
+    stop = want[0].tokens[7]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    sums = []
+    for speculative in ("off", "ngram"):
+        engine = engine_for(tiny_model, speculative)
+        if engine.speculator is not None:
+            engine.speculator.proposer = Oracle({tuple(p): s.tokens for p, s in zip(batch, want)})
+        (out,) = engine.generate([batch[0]], params)
+        sums.append((engine.entropy_sum, engine.num_generated, out.samples[0].tokens))
+    assert sums[0][1:] == sums[1][1:] and sums[1][1] == want[0].tokens.index(stop) + 1
+    assert sums[1][0] == pytest.approx(sums[0][0], rel=1e-5)
