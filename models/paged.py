@@ -9,8 +9,11 @@ plugs into `HybridLM.run_layers`, so embeddings, norms and MLPs stay one code pa
   **in place**. Decode (one new token on a non-empty state) is batched across sequences through
   `kda_decode_step`; prefill chunks are batched too (length buckets, right-padded with steps that
   write nothing), starting from zeros when a sequence starts at position 0 (pages need no clearing).
+  A speculative verification's few tokens (`PagedStep.chained_seqs`) join the decode batch, one row
+  per token, chained through their position pages (`kda_decode_tokens`: no padding, gather or copy).
 - MLA: the new tokens' latents [c_kv, k_rope] are written to their slots first, then decode
-  attends through the block tables with `paged_mla_decode` (absorbed), and prefill chunks with
+  attends through the block tables with `paged_mla_decode` (absorbed; a chained sequence's rows as
+  decode queries over its slots up to each), and prefill chunks with
   `paged_mla_prefill` (absorbed, tiles of slots with an online softmax: no full score matrix).
 Conv tails: the pool stores them per head as [3 (q, k, v), kernel-1, dk]; the layer works on
 [kernel-1, 3 * H * dk] (channel = which * H * dk + h * dk + d); `_tails_to_layer` converts.
@@ -23,6 +26,7 @@ On CUDA the host can queue a whole step ahead of the device (tests/rollout/test_
 """
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections.abc import Callable, Iterable
@@ -33,6 +37,7 @@ import torch
 
 from kernels.kda.chunk import chunk_kda
 from kernels.kda.decode import kda_decode_step
+from kernels.kda.decode_tokens import kda_decode_tokens
 from kernels.kda.recurrent import recurrent_kda_states
 from kernels.impl import require_cpu_ops
 from kernels.mla.paged import paged_mla_decode
@@ -181,9 +186,21 @@ class PagedStep:
     rollback slots. Layers of one cache group share one list object. None = none anywhere."""
 
     @property
+    def chained_seqs(self) -> list[int]:
+        """Sequences whose several new tokens run decode-shaped, one token after the other through their
+        position pages (`kernels/kda/decode_tokens.py`; speculative verification): those with position
+        pages, unless the kernels are Triton's (a GPU verifies through the chunked prefill path)."""
+        if self.impl == "triton" or not self.position_pages:
+            return []
+        rows = next(iter(self.position_pages.values()))
+        return [i for i, pages in enumerate(rows) if pages]
+
+    @property
     def decode_seqs(self) -> list[int]:
-        """Sequences that add one token to a non-empty cache (batched decode path)."""
-        return [i for i, (s, n) in enumerate(zip(self.batch.starts, self.batch.new_lens)) if n == 1 and s > 0]
+        """Sequences on the batched decode path: one token added to a non-empty cache, or `chained_seqs`."""
+        chained = set(self.chained_seqs)
+        return [i for i, (s, n) in enumerate(zip(self.batch.starts, self.batch.new_lens))
+                if (n == 1 and s > 0) or i in chained]
 
     @property
     def prefill_seqs(self) -> list[int]:
@@ -265,13 +282,29 @@ class PagedMixer:
         offsets, new_lens = batch.offsets, batch.new_lens
         self.kv_starts = batch.starts if step.kv_starts is None else list(step.kv_starts)
         self.decode, self.prefill = step.decode_seqs, step.prefill_seqs
-        self.pure_decode = len(self.decode) == batch.num_tokens  # every row decodes: no gathers needed
+        # Decode rows: every new token of the decode sequences (one each, several for a chained one), each
+        # attending to its sequence's slots up to itself.
+        rows_of = [range(offsets[i], offsets[i] + new_lens[i]) for i in self.decode]
+        self.num_decode_rows = sum(len(r) for r in rows_of)
+        self.chained = self.num_decode_rows > len(self.decode)  # some sequence runs several tokens decode-shaped
+        self.pure_decode = self.num_decode_rows == batch.num_tokens  # every row decodes: no gathers needed
+        decode_lens = [self.kv_starts[i] + 1 + t for i, r in zip(self.decode, rows_of) for t in range(len(r))]
         key = {"positions": meta.add(batch.position_list()),  # [N] token positions (RoPE)
-               "decode_seq_lens": meta.add(self.kv_starts[i] + 1 for i in self.decode)}  # [Bd]
-        self.max_decode_len = max((self.kv_starts[i] + 1 for i in self.decode), default=0)
+               "decode_seq_lens": meta.add(decode_lens)}  # [Nd] attention length of each decode row
+        self.max_decode_len = max(decode_lens, default=0)
         if not self.pure_decode:
-            key["decode_rows"] = meta.add(offsets[i] for i in self.decode)  # [Bd]
-            key["decode_index"] = meta.add(self.decode)  # [Bd]
+            key["decode_rows"] = meta.add(r for rows in rows_of for r in rows)  # [Nd]
+        if not self.pure_decode or self.chained:
+            key["decode_index"] = meta.add(i for i, r in zip(self.decode, rows_of) for _ in r)  # [Nd] sequence of each row
+        chain_keys: dict[tuple[int, int], int] = {}  # (id(state pages), id(position pages)) -> key of dst pages
+        if self.chained:
+            key["decode_seqs"] = meta.add(self.decode)  # [Bd]
+            key["decode_cu"] = meta.add([0] + list(itertools.accumulate(len(r) for r in rows_of)))  # [Bd + 1]
+            for layer, state_list in step.state_pages.items():
+                position_list = step.position_pages[layer]
+                pair = (id(state_list), id(position_list))
+                if pair not in chain_keys:  # each row writes its position page; a sequence's last, its own page
+                    chain_keys[pair] = meta.add(p for i in self.decode for p in position_list[i] + [state_list[i]])
         # Layers of one cache group share their host lists: one device copy per group.
         kda_keys: dict[int, int] = {}  # id(pages) -> key
         for pages in step.state_pages.values():
@@ -293,10 +326,12 @@ class PagedMixer:
         self.position_writes = {k: (meta[a], meta[b], meta[c], top) for k, (a, b, c, top) in position_keys.items()}
         self.positions = meta[key["positions"]]
         self.decode_seq_lens = meta[key["decode_seq_lens"]]
-        if self.pure_decode:
-            self.decode_rows = self.decode_index = slice(None)
-        else:
-            self.decode_rows, self.decode_index = meta[key["decode_rows"]], meta[key["decode_index"]]
+        self.decode_rows = slice(None) if self.pure_decode else meta[key["decode_rows"]]
+        self.decode_index = meta[key["decode_index"]] if "decode_index" in key else slice(None)
+        if self.chained:
+            self.decode_seq_index, self.decode_cu = meta[key["decode_seqs"]], meta[key["decode_cu"]]
+            self.chain_dst = {layer: meta[chain_keys[(id(p), id(step.position_pages[layer]))]]
+                              for layer, p in step.state_pages.items()}  # [Nd] page each decode row writes
         self.state_pages = {i: meta[kda_keys[id(p)]] for i, p in step.state_pages.items()}  # [B] each
         self.tables = {i: meta[mla_keys[id(t)][0]] for i, t in step.block_tables.items()}  # [B, max_blocks] each
         self.write_slots = {i: (meta[mla_keys[id(t)][1]], meta[mla_keys[id(t)][2]])
@@ -341,7 +376,14 @@ class PagedMixer:
             rows = self.decode_rows
             pages_d, mixed_d, g_d, beta_d = pages[self.decode_index], mixed[rows], g[rows], beta[rows]
             core = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=x.device)
-        if self.decode:
+        if self.chained:  # a row per token, each sequence's rows chained through their pages
+            out = kda_decode_tokens(mixed_d, g_d, beta_d, state, conv, layer.head_major_taps(),
+                                    pages[self.decode_seq_index], self.chain_dst[index], self.decode_cu,
+                                    impl=self.step.impl, check=self.step.check)
+            if core is None:
+                return layer.output(out, gate)
+            core[self.decode_rows] = out
+        elif self.decode:
             if self.step.impl == "cpu" and mixed_d.dtype == conv.dtype == torch.float32:
                 # Fused: the conv tails are read and shifted in their pages (twin: decode_conv).
                 qkv = require_cpu_ops(mixed_d.device).kda_conv_step(mixed_d, conv, layer.head_major_taps(), pages_d)

@@ -139,15 +139,19 @@ class CacheManager:
         if observer is not None:
             self.evictor.end_step(observer)
 
-    def after_forward(self, seqs: list[Sequence]) -> None:
+    def after_forward(self, seqs: list[Sequence], pending: dict[int, list[int]] | None = None,
+                      inner: dict[int, tuple[int, list[int]]] | None = None) -> None:
         """Tag each sequence's KV with the version computing it (`Sequence.kv_version` keeps the oldest),
-        then index what the pass computed (prefix cache), before anything finishes."""
+        then index what the pass computed (prefix cache), before anything finishes. A speculative
+        verification's, by seq_id: `pending`, the accepted proposals (computed, not appended yet);
+        `inner`, the last hash-block boundary it crossed and the pages of its KDA states there."""
         for seq in seqs:
             if seq.kv_version is None:
                 seq.kv_version = self.version
         if self.prefix is not None:
+            pending, inner = pending or {}, inner or {}
             for seq in seqs:
-                self.prefix.register(seq)
+                self.prefix.register(seq, pending.get(seq.seq_id, ()), inner.get(seq.seq_id))
 
     def idle(self) -> None:
         """No work left: nothing may stay half-copied."""

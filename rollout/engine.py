@@ -287,10 +287,12 @@ class Engine:
         the verifying sequences' samples (accepted and rolled back, rollout/speculation.py)."""
         _, logits, settings, verify_logits = self.runner.run(scheduled, plan.sampling, verify)  # draws in its copy
         self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)  # position pages included
-        verified: list[Sample] = []
-        if verify is not None:
-            verified = self.speculator.settle(scheduled, verify, verify_logits)
-        self.cache.after_forward(scheduled.seqs)  # index what this pass kept, before anything finishes
+        if verify is None:
+            self.cache.after_forward(scheduled.seqs)  # index what this pass kept, before anything finishes
+            return logits, settings, []
+        verified, settled = self.speculator.settle(scheduled, verify, verify_logits)
+        self.cache.after_forward(scheduled.seqs, settled.accepted, settled.checkpoints)
+        self.pool.decref(settled.release)  # position pages not kept (a pending checkpoint copy holds its own)
         return logits, settings, verified
 
     def _sample(self, plan: _SamplePlan, logits: torch.Tensor, settings: torch.Tensor | None

@@ -123,15 +123,21 @@ class PrefixCache:
             live = self.index.mla.keys() | self.index.kda.keys()
             self._key_version = {h: v for h, v in self._key_version.items() if h in live}
 
-    def hashes(self, seq: Sequence, upto: int) -> list[bytes]:
-        """Chained hashes of seq.tokens[:upto] (complete hash blocks), extended incrementally."""
+    def hashes(self, seq: Sequence, upto: int, pending: list[int] | tuple[int, ...] = ()) -> list[bytes]:
+        """Chained hashes of (seq.tokens + pending)[:upto] (complete hash blocks), extended incrementally.
+        `pending`: tokens computed and verified but not appended yet (a speculative verification's)."""
         hb = self.config.hash_block
         chain = self._hashes.setdefault(seq.seq_id, [])
         want = upto // hb
         if len(chain) < want:
             start = len(chain) * hb
-            chain += chain_hashes(seq.tokens[start:want * hb], hb, self.salt,
-                                  start=chain[-1] if chain else b"", first_block=len(chain))
+            tokens = seq.tokens[start:want * hb]
+            if len(tokens) < want * hb - start:
+                tokens = tokens + list(pending)[:want * hb - start - len(tokens)]
+            chain += chain_hashes(tokens, hb, self.salt, start=chain[-1] if chain else b"", first_block=len(chain))
+        if len(chain) < want:
+            raise AssertionError(f"sequence {seq.seq_id}: {upto} tokens computed but only "
+                                 f"{len(seq.tokens) + len(pending)} known to hash")
         return chain[:want]
 
     def forget(self, seq: Sequence) -> None:
@@ -223,13 +229,17 @@ class PrefixCache:
         return match.tokens
 
     # ---- after a forward pass ---------------------------------------------------------------------------
-    def register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence, pending: list[int] | tuple[int, ...] = (),
+                 inner: tuple[int, list[int]] | None = None) -> None:
         """Index what the sequence has computed; checkpoint its KDA states at a hash-block boundary.
-        A sequence whose KV token eviction pruned registers nothing: its pages are not the prefix."""
+        A sequence whose KV token eviction pruned registers nothing: its pages are not the prefix.
+        `pending`: computed tokens not appended yet (a speculative verification's accepted proposals);
+        `inner`: (a boundary the step crossed before its end, pages holding the KDA states there, one
+        per cache group), checkpointed from those pages."""
         if seq.kv_pruned:
             return
         hb, done = self.config.hash_block, seq.num_computed
-        hashes = self.hashes(seq, done)
+        hashes = self.hashes(seq, done, pending)
         if self.config.reuse_stale:
             self._note_versions(hashes, self._registered.get(seq.seq_id, 0) // hb,
                                 self.version if seq.kv_version is None else min(self.version, seq.kv_version))
@@ -243,12 +253,19 @@ class PrefixCache:
                 touched = [p for pages in block_pages[first // bt:(done + bt - 1) // bt] for p in pages]
                 self.host_tier.mirror([p for p in touched if p in self.lru])
         self._registered[seq.seq_id] = done
+        if inner is not None and self.num_kda:
+            boundary, pages = inner
+            if boundary % hb or not 0 < boundary < done or len(pages) != self.num_kda:
+                raise ValueError(f"inner checkpoint at {boundary} with {len(pages)} pages: expected a multiple of "
+                                 f"{hb} in (0, {done}) and {self.num_kda} pages")
+            self._checkpoint(seq, hashes[:boundary // hb], boundary, pages)
         if done and not done % hb and self.num_kda:
-            self._checkpoint(seq, hashes)
+            self._checkpoint(seq, hashes, done, list(seq.kda_pages))
 
-    def _checkpoint(self, seq: Sequence, hashes: list[bytes]) -> None:
-        """Copy the sequence's KDA states (after hashes[-1]'s block) into fresh checkpoint pages."""
-        hb, done, h = self.config.hash_block, seq.num_computed, hashes[-1]
+    def _checkpoint(self, seq: Sequence, hashes: list[bytes], done: int, states: list[int]) -> None:
+        """Copy the KDA states after `done` tokens (hashes[-1]'s block end), in pages `states` (one per
+        cache group), into fresh checkpoint pages."""
+        hb, h = self.config.hash_block, hashes[-1]
         is_turn = any(done == p // hb * hb for p in seq.turn_boundaries)
         if len(self.index.kda.get(h, {})) == self.num_kda:
             if is_turn:  # someone already checkpointed this exact prefix; it is a turn for this one
@@ -265,7 +282,7 @@ class PrefixCache:
         if self.num_kda > self.pool.num_free:
             return  # no room for a checkpoint now; the prefix stays reachable up to its MLA pages
         pages = [self.pool.allocate(1, ("kda", g))[0] for g in range(self.num_kda)]
-        self._copy(list(seq.kda_pages), pages)
+        self._copy(list(states), pages)
         for g, page in enumerate(pages):
             self.index.register_kda(h, g, Loc.device(page))
         self.lru.update((p, None) for p in pages)  # the allocation's reference is the index's

@@ -12,8 +12,12 @@ k + 1 positions decide (rollout/spec_accept.py) how many proposals stay (a) and 
   (their pages stay with the sequence, which is growing into them);
 - the KDA state after start + 1 + a tokens is in the position page a (or, when a = k, in the sequence's own
   page): that page becomes the sequence's state page for the group and the others are freed;
-- the prefix cache indexes the sequence after this, so it never sees an unverified token; a chunk never
-  crosses a hash-block boundary except at its end (the checkpoint there is the state page itself).
+- the prefix cache indexes the sequence after this, with the accepted proposals as its next tokens (they
+  are appended after the indexing), so it never sees an unverified token; when the accepted tokens cross
+  a hash-block boundary before their end, the KDA state there is in a position page, and the cache
+  checkpoints it from that page as it does from a sequence's own (`Settlement`);
+- where possible the k + 1 tokens run decode-shaped (models/paged.py `PagedStep.chained_seqs`): MLA rows
+  as decode queries, KDA chained token by token through the position pages, all in the decode batch.
 Proposals stop short of max_new_tokens and max_model_len, and of the step's token budget; a sequence
 whose growth or position pages do not fit the pool this step decodes plainly. Tokens carry the policy
 version and the target's logprobs as plain decoding's do.
@@ -97,6 +101,23 @@ class Verification:
 
 
 @dataclass
+class Settlement:
+    """What a step's verifications leave for the cache's indexing (`CacheManager.after_forward`), which
+    runs before anything finishes."""
+
+    accepted: dict[int, list[int]]
+    """seq_id -> the proposals it kept: computed, verified, and appended to its tokens only after the cache
+    indexed them (the prefix cache hashes them as the tokens they will be)."""
+    checkpoints: dict[int, tuple[int, list[int]]]
+    """seq_id -> (the last hash-block boundary the verification crossed strictly inside its accepted
+    tokens, the position pages holding the KDA states there, one per cache group): the prefix cache's
+    checkpoint at that boundary, taken from them as from a sequence's own state pages."""
+    release: list[int]
+    """Position pages and replaced state pages to free once the cache has indexed the step (a deferred
+    checkpoint copy holds its own reference on its source)."""
+
+
+@dataclass
 class _Pace:
     """A sequence's adaptive speculation length."""
 
@@ -157,11 +178,6 @@ class Speculator:
             return 0
         k = min(pace.k, budget, seq.params.max_new_tokens - seq.num_generated - 1,
                 self.max_model_len - seq.num_tokens - 1)
-        prefix = self.cache.prefix
-        if prefix is not None:
-            block = prefix.config.hash_block
-            boundary = (seq.num_computed // block + 1) * block  # the first one after the start
-            k = min(k, boundary - seq.num_computed - 1)
         return max(k, 0)
 
     def _position_pages(self, k: int) -> list[list[int]] | None:
@@ -175,11 +191,15 @@ class Speculator:
             return None
         return pages
 
-    def settle(self, step: ScheduledStep, plan: Verification, logits: torch.Tensor) -> list[Sample]:
+    def settle(self, step: ScheduledStep, plan: Verification, logits: torch.Tensor
+               ) -> tuple[list[Sample], Settlement]:
         """Accept and roll back each verifying sequence (module docstring), before the cache indexes the
         step. logits: [sum of k + 1, vocab], each sequence's rows in plan order. Returns their samples
-        (sequence, token, logprob, sampling entropy), in order."""
+        (sequence, token, logprob, sampling entropy), in order, and what the cache's indexing needs
+        (its pages to free after it)."""
         samples: list[Sample] = []
+        settled = Settlement({}, {}, [])
+        hash_block = self.cache.prefix.config.hash_block if self.cache.prefix is not None else 0
         row = 0
         for i, proposal, pages, start in zip(plan.index, plan.proposals, plan.position_pages, plan.starts):
             seq, k = step.seqs[i], len(proposal)
@@ -188,17 +208,20 @@ class Speculator:
             verdict = accept(logits[row:row + k + 1], proposal, params, generator)
             row += k + 1
             kept = verdict.num_accepted
-            seq.num_computed = start + 1 + kept
-            drop: list[int] = []
+            done = seq.num_computed = start + 1 + kept
+            if kept:
+                settled.accepted[seq.seq_id] = proposal[:kept]
+            boundary = (done - 1) // hash_block * hash_block if hash_block else 0  # the last one before done
+            if boundary > start:  # the state after it is in position page boundary - start - 1 (< kept)
+                settled.checkpoints[seq.seq_id] = (boundary, [group[boundary - start - 1] for group in pages])
             for g, group in enumerate(pages):
                 if kept < k:  # the state after start + 1 + kept tokens is in position page `kept`
-                    drop.append(seq.kda_pages[g])
+                    settled.release.append(seq.kda_pages[g])
                     seq.kda_pages[g] = group[kept]
-                drop += [p for j, p in enumerate(group) if j != kept]  # all of them when kept == k
-            self.pool.decref(drop)
+                settled.release += [p for j, p in enumerate(group) if j != kept]  # all of them when kept == k
             self._update_pace(seq, k, kept)
             samples += zip([seq] * len(verdict.tokens), verdict.tokens, verdict.logprobs, verdict.entropies)
-        return samples
+        return samples, settled
 
     def _update_pace(self, seq: Sequence, k: int, kept: int) -> None:
         self.num_proposed += k

@@ -123,6 +123,112 @@ torch::Tensor kda_conv_step(torch::Tensor mixed, torch::Tensor tails, torch::Ten
   return out;
 }
 
+// Several new tokens per sequence, decode-shaped: for each (sequence, head), its rows in order run
+// KDA's short conv (as kda_conv_step) and one gated-delta-rule step (as kda_decode_step), each row
+// reading the state and conv tails the previous row left and writing its own into the page
+// dst_pages[row] (the first row reads src_pages[b]). Speculative verification chains a sequence's
+// k + 1 tokens through k position pages and its own page this way: every intermediate state lands
+// in a page of its own, with no gather, copy or scatter. A row whose dst page is the page it reads
+// updates it in place (a plain decode step).
+// mixed: [N, 3*H*D]; g: [N, H, D]; beta: [N, H]; state: [P, H, D, V] float32, any strides;
+// tails: [P, H, 3, KK-1, D] float32, any strides; taps: [H, 3, KK, D]; src_pages: [B] int64;
+// dst_pages: [N] int64; cu_rows: [B + 1] int64 (sequence b owns rows cu_rows[b] .. cu_rows[b+1]-1).
+// Pages written by one sequence are written by no other. Returns o [N, H, V].
+torch::Tensor kda_decode_tokens(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, torch::Tensor state,
+                                torch::Tensor tails, torch::Tensor taps, torch::Tensor src_pages,
+                                torch::Tensor dst_pages, torch::Tensor cu_rows, double scale) {
+  for (auto& [t, n] : {std::pair{&mixed, "mixed"}, {&g, "g"}, {&beta, "beta"}, {&taps, "taps"}}) {
+    check_f32(*t, n);
+    *t = t->contiguous();
+  }
+  check_f32(state, "state");
+  check_f32(tails, "tails");
+  for (auto& [t, n] : {std::pair{&src_pages, "src_pages"}, {&dst_pages, "dst_pages"}, {&cu_rows, "cu_rows"}}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64, n, " must be int64");
+    *t = t->contiguous();
+  }
+  const int64_t N = mixed.size(0), H = taps.size(0), KK = taps.size(2), D = taps.size(3);
+  const int64_t B = src_pages.size(0), V = state.size(3);
+  TORCH_CHECK(cu_rows.size(0) == B + 1 && dst_pages.size(0) == N, "cu_rows must be [B + 1], dst_pages [N]");
+  TORCH_CHECK(mixed.size(1) == 3 * H * D && g.size(0) == N && beta.size(0) == N, "mixed/g/beta shape mismatch");
+  TORCH_CHECK(state.size(1) == H && state.size(2) == D && tails.size(1) == H && tails.size(3) == KK - 1 &&
+              tails.size(4) == D, "state/tails shape mismatch");
+  TORCH_CHECK(V == D, "kda_decode_tokens: the conv's v head dim must equal the state's value dim");
+  auto o = torch::empty({N, H, V}, mixed.options());
+  const float *mp = mixed.data_ptr<float>(), *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const float* wp = taps.data_ptr<float>();
+  float *sp = state.data_ptr<float>(), *tp = tails.data_ptr<float>(), *op = o.data_ptr<float>();
+  const int64_t *src = src_pages.data_ptr<int64_t>(), *dst = dst_pages.data_ptr<int64_t>(),
+                *cu = cu_rows.data_ptr<int64_t>();
+  const int64_t s0 = state.stride(0), s1 = state.stride(1), s2 = state.stride(2), s3 = state.stride(3);
+  const int64_t t0 = tails.stride(0), t1 = tails.stride(1), t2 = tails.stride(2), t3 = tails.stride(3),
+                t4 = tails.stride(4);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> qkv(3 * D), pred(V), delta(V), window((KK - 1) * D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      int64_t page = src[b];
+      for (int64_t r = cu[b]; r < cu[b + 1]; ++r) {
+        const int64_t out_page = dst[r];
+        // Short conv: the tails of `page` and this row's input; the shifted tails go to `out_page`.
+        for (int64_t w = 0; w < 3; ++w) {
+          const float* x = mp + r * 3 * H * D + w * H * D + h * D;
+          const float* tap = wp + ((h * 3 + w) * KK) * D;
+          const float* tail = tp + page * t0 + h * t1 + w * t2;
+          float* tail_out = tp + out_page * t0 + h * t1 + w * t2;
+          float* y = qkv.data() + w * D;
+          float sq = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < KK - 1; ++j) {
+              const float prev = tail[j * t3 + d * t4];
+              window[j * D + d] = prev;
+              acc += prev * tap[j * D + d];
+            }
+            acc += x[d] * tap[(KK - 1) * D + d];
+            const float s = acc / (1.f + std::exp(-acc));
+            y[d] = s;
+            sq += s * s;
+          }
+          for (int64_t d = 0; d < D; ++d) {  // read all of `page`'s tail first: out_page may be page
+            for (int64_t j = 0; j + 1 < KK - 1; ++j) tail_out[j * t3 + d * t4] = window[(j + 1) * D + d];
+            if (KK > 1) tail_out[(KK - 2) * t3 + d * t4] = x[d];
+          }
+          if (w < 2) {
+            const float norm = std::sqrt(sq + 1e-6f);
+            for (int64_t d = 0; d < D; ++d) y[d] /= norm;
+          }
+        }
+        // One gated-delta-rule step from `page`'s state into `out_page`'s.
+        const float *qr = qkv.data(), *kr = qkv.data() + D, *vr = qkv.data() + 2 * D;
+        const float* gr = gp + (r * H + h) * D;
+        const float* S_in = sp + page * s0 + h * s1;
+        float* S = sp + out_page * s0 + h * s1;
+        float* out = op + (r * H + h) * V;
+        std::fill(pred.begin(), pred.end(), 0.f);
+        for (int64_t i = 0; i < D; ++i) {
+          const float decay = std::exp(gr[i]), ki = kr[i];
+          for (int64_t j = 0; j < V; ++j) {
+            const float s = S_in[i * s2 + j * s3] * decay;
+            S[i * s2 + j * s3] = s;
+            pred[j] += ki * s;
+          }
+        }
+        const float b_ = bp[r * H + h];
+        for (int64_t j = 0; j < V; ++j) { delta[j] = b_ * (vr[j] - pred[j]); out[j] = 0.f; }
+        for (int64_t i = 0; i < D; ++i) {
+          const float ki = kr[i], qi = fscale * qr[i];
+          float* Si = S + i * s2;
+          for (int64_t j = 0; j < V; ++j) { Si[j * s3] += ki * delta[j]; out[j] += qi * Si[j * s3]; }
+        }
+        page = out_page;
+      }
+    }
+  });
+  return o;
+}
+
 // MoE routing (sigmoid scores already computed) straight to the dense per-expert weights the
 // all-experts inference path multiplies by: choice = scores + bias; with groups, each group's score
 // is the sum of its top-2 choices and only the best topk_group groups stay; the top_k choices
@@ -197,4 +303,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route_dense", &moe_route_dense, "MoE routing to dense per-expert weights");
   m.def("kda_decode_step", &kda_decode_step, "KDA decode step in pool pages (in place)");
   m.def("kda_conv_step", &kda_conv_step, "KDA short conv for one token, tails in pool pages (in place)");
+  m.def("kda_decode_tokens", &kda_decode_tokens, "KDA conv + decode over several tokens per sequence, chained through pages");
 }

@@ -162,6 +162,34 @@ def test_with_the_prefix_cache_output_is_the_same_and_only_verified_tokens_are_c
     assert engine.speculator.num_verifications > 0
 
 
+def test_accepted_proposals_cross_hash_blocks_and_the_cache_checkpoints_from_position_pages(tiny_model, plain):
+    """Proposals always right with k = 6 (chunks of 7 tokens, hash blocks of 16): verifications cross
+    hash-block boundaries inside their accepted tokens; the cache hashes the accepted proposals before they
+    are appended and checkpoints the KDA state at the crossed boundary from its position page. Every entry
+    is a recompute of a prefix of plain decoding's output after every step, and the next turn hits them."""
+    batch, want, _ = plain
+    engine = engine_for(tiny_model, "ngram", prefix=True, num_speculative_tokens=6)
+    engine.speculator.proposer = Oracle({tuple(p): s.tokens for p, s in zip(batch, want)})
+    crossed = []
+    after_forward = engine.cache.after_forward
+
+    def spy(seqs, pending=None, inner=None):
+        crossed.extend((inner or {}).values())
+        after_forward(seqs, pending, inner)
+
+    engine.cache.after_forward = spy
+    verify, checked = make_verifier(tiny_model, [p + s.tokens for p, s in zip(batch, want)])
+    first = generate(engine, batch, after_step=verify, turns=True)
+    assert [s.tokens for s in first] == [s.tokens for s in want]
+    assert len(crossed) >= len(batch) and all(position % HB == 0 for position, _ in crossed)
+    kda_checked = checked["kda"]
+    later = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
+    again = generate(engine, [p + s.tokens[:10] for p, s in zip(batch, want)], later, after_step=verify)
+    assert [s.tokens for s in again] == [s.tokens[10:] for s in want]
+    assert engine.cache.prefix.hit_tokens > 0 and kda_checked > 0
+    assert engine.speculator.acceptance_rate == 1.0
+
+
 def test_sampled_speculation_is_seeded_and_keeps_the_budget(tiny_model):
     batch = prompts(4, seed=2)
     params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=10, seed=11, ignore_eos=True)
