@@ -15,11 +15,16 @@ and top-p and renormalised; greedy (temperature 0) accepts d_i exactly when it i
 speculation emits greedy decoding's tokens. The logprob reported with each emitted token is the
 sampler's convention (log softmax(logits / temperature) before truncation): the behaviour policy's.
 
-Randomness: the sequence's own generator, in a fixed order (one uniform per proposal looked at, one for
-the token sampled after), so a seeded request speculates reproducibly.
+Randomness: the sequence's own generator, k + 1 uniforms per verification drawn at once (u_i decides
+proposal i, u_{k+1} draws the token after the kept ones), so a seeded request speculates reproducibly.
+
+`accept` is one sequence's rule written plainly (the reference); `accept_many` runs a step's verifications
+at once (one softmax, truncation and draw for all rows; the per-sequence part is a loop over k host
+floats) and returns the same verdicts from the same generators (tested).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +62,18 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     return torch.softmax(kept, dim=-1), logp
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from `probs` [vocab] (need not sum to 1) by inverting its CDF at a uniform draw; never a
+def _draw(probs: torch.Tensor, u: float) -> int:
+    """One token from `probs` [vocab] (need not sum to 1) by inverting its CDF at the uniform u; never a
     zero-probability token."""
-    cdf = probs.double().cumsum(0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64).item()
-    index = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64), right=True))
-    return min(index, probs.numel() - 1)
+    return _draw_rows(probs[None], [u])[0]
+
+
+def _draw_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """`_draw` of each row of probs [R, vocab] at its uniform."""
+    cdf = probs.double().cumsum(dim=-1)  # [R, vocab]
+    target = torch.tensor(uniforms, dtype=torch.float64) * cdf[:, -1]  # [R]
+    index = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return index.clamp_(max=probs.shape[-1] - 1).tolist()
 
 
 def accept(logits: torch.Tensor, proposal: list[int], params: SamplingParams, generator: torch.Generator | None,
@@ -79,7 +89,7 @@ def accept(logits: torch.Tensor, proposal: list[int], params: SamplingParams, ge
         raise ValueError(f"draft_probs of shape {tuple(draft_probs.shape)}, expected {(k, logits.shape[1])}")
     probs, logp = target_probs(logits, params)
     if params.temperature == 0:
-        best = probs.argmax(dim=-1).tolist()
+        best = logits.argmax(dim=-1).tolist()  # as the sampler's greedy rows
         kept = next((i for i, d in enumerate(proposal) if best[i] != d), k)
         tokens = list(proposal[:kept]) + [best[kept]]
     else:
@@ -95,22 +105,88 @@ def accept(logits: torch.Tensor, proposal: list[int], params: SamplingParams, ge
 def _stochastic(probs: torch.Tensor, proposal: list[int], generator: torch.Generator,
                 draft_probs: torch.Tensor | None) -> list[int]:
     """The rejection rule over p = probs [k + 1, vocab] (module docstring); returns the emitted tokens."""
+    u = torch.rand(len(proposal) + 1, generator=generator, dtype=torch.float64).tolist()
     tokens: list[int] = []
     for i, d in enumerate(proposal):
         p_d = float(probs[i, d])
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        u = torch.rand(1, generator=generator, dtype=torch.float64).item()
-        if q_d > 0 and u * q_d < p_d:  # accepted with probability min(1, p / q)
+        if q_d > 0 and u[i] * q_d < p_d:  # accepted with probability min(1, p / q)
             tokens.append(d)
             continue
-        if draft_probs is None:
-            residual = probs[i].clone()
-            residual[d] = 0.0
-        else:
-            residual = (probs[i] - draft_probs[i].float()).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p <= q everywhere up to rounding: p itself is the residual's limit
-            residual = probs[i]
-        tokens.append(_draw(residual, generator))
+        tokens.append(_draw(residual(probs[i], d, None if draft_probs is None else draft_probs[i]), u[-1]))
         return tokens
-    tokens.append(_draw(probs[len(proposal)], generator))
+    tokens.append(_draw(probs[len(proposal)], u[-1]))
     return tokens
+
+
+def residual(p: torch.Tensor, d: int, q: torch.Tensor | None) -> torch.Tensor:
+    """Where to sample after rejecting proposal d: max(0, p - q) [vocab] (unnormalised); for a point mass
+    q at d, p with d removed. When p <= q everywhere up to rounding, p itself (the residual's limit)."""
+    if q is None:
+        out = p.clone()
+        out[d] = 0.0
+    else:
+        out = (p - q.float()).clamp_(min=0.0)
+    return out if float(out.sum()) > 0.0 else p
+
+
+def accept_many(logits: torch.Tensor, proposals: list[list[int]], params: list[SamplingParams],
+                generators: list[torch.Generator | None], draft_probs: list[torch.Tensor | None] | None = None
+                ) -> list[Verdict]:
+    """`accept` for several sequences at once. logits: [sum of k_i + 1, vocab], sequence i's k_i + 1 rows
+    in order; proposals, params, generators (None only when greedy), draft_probs ([k_i, vocab] or None
+    each; None = all n-gram): per sequence. Returns each sequence's verdict, equal to `accept`'s from the
+    same generator state."""
+    counts = [len(p) + 1 for p in proposals]
+    if logits.shape[0] != sum(counts):
+        raise ValueError(f"logits of {logits.shape[0]} rows for proposals needing {sum(counts)}")
+    logits = logits.float()
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    temps = [sp.temperature if sp.temperature > 0 else 1.0 for sp, n in zip(params, counts) for _ in range(n)]
+    logp = torch.log_softmax(logits / torch.tensor(temps)[:, None], dim=-1)  # [R, vocab]: the reported logprobs
+    probs = torch.softmax(truncate_rows(logp, [sp.top_k for sp, n in zip(params, counts) for _ in range(n)],
+                                        [sp.top_p for sp, n in zip(params, counts) for _ in range(n)]), dim=-1)
+    best = logits.argmax(dim=-1).tolist()
+    proposal_rows = [s + j for s, prop in zip(starts, proposals) for j in range(len(prop))]
+    proposed = [d for prop in proposals for d in prop]
+    p_at = probs[proposal_rows, proposed].tolist() if proposed else []  # p_i(d_i), every proposal
+    tokens: list[list[int]] = []
+    finals: list[tuple[int, int, torch.Tensor]] = []  # (sequence, kept, the distribution to draw from)
+    uniforms: list[float] = []
+    at = 0
+    for i, (prop, sp, gen, start) in enumerate(zip(proposals, params, generators, starts)):
+        k = len(prop)
+        if sp.temperature == 0:
+            kept = next((j for j, d in enumerate(prop) if best[start + j] != d), k)
+            tokens.append(list(prop[:kept]) + [best[start + kept]])
+            at += k
+            continue
+        if gen is None:
+            raise ValueError(f"temperature={sp.temperature} needs the sequence's generator")
+        q = draft_probs[i] if draft_probs is not None else None
+        u = torch.rand(k + 1, generator=gen, dtype=torch.float64).tolist()
+        kept = k
+        for j, d in enumerate(prop):
+            q_d = 1.0 if q is None else float(q[j, d])
+            if not (q_d > 0 and u[j] * q_d < p_at[at + j]):
+                kept = j
+                break
+        at += k
+        tokens.append(list(prop[:kept]))
+        row = probs[start + kept]
+        finals.append((i, kept, row if kept == k else residual(row, prop[kept], None if q is None else q[kept])))
+        uniforms.append(u[-1])
+    if finals:
+        drawn = _draw_rows(torch.stack([dist for _, _, dist in finals]), uniforms)
+        for (i, _, _), token in zip(finals, drawn):
+            tokens[i].append(token)
+    rows = [s + j for s, toks in zip(starts, tokens) for j in range(len(toks))]
+    emitted = [t for toks in tokens for t in toks]
+    used = logp[rows]  # [emitted, vocab]
+    entropies = (-torch.where(used > float("-inf"), used.exp() * used, 0.0).sum(dim=-1)).tolist()
+    chosen = used[torch.arange(len(rows)), emitted].tolist()
+    out, at = [], 0
+    for toks in tokens:
+        out.append(Verdict(toks, chosen[at:at + len(toks)], entropies[at:at + len(toks)]))
+        at += len(toks)
+    return out

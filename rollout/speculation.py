@@ -37,7 +37,7 @@ from memory.page_pool import OutOfPages
 from rollout.cache_manager import CacheManager
 from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
-from rollout.spec_accept import accept
+from rollout.spec_accept import accept_many
 
 Sample = tuple[Sequence, int, float, float]
 """A token a step emits: (sequence, token, behaviour logprob, entropy of its sampling distribution)."""
@@ -200,14 +200,12 @@ class Speculator:
         samples: list[Sample] = []
         settled = Settlement({}, {}, [])
         hash_block = self.cache.prefix.config.hash_block if self.cache.prefix is not None else 0
-        row = 0
-        for i, proposal, pages, start in zip(plan.index, plan.proposals, plan.position_pages, plan.starts):
-            seq, k = step.seqs[i], len(proposal)
-            params = seq.params
-            generator = seq.generator if params.temperature > 0 else None
-            verdict = accept(logits[row:row + k + 1], proposal, params, generator)
-            row += k + 1
-            kept = verdict.num_accepted
+        seqs = [step.seqs[i] for i in plan.index]
+        verdicts = accept_many(logits, plan.proposals, [seq.params for seq in seqs],
+                               [seq.generator if seq.params.temperature > 0 else None for seq in seqs])
+        for seq, verdict, proposal, pages, start in zip(seqs, verdicts, plan.proposals, plan.position_pages,
+                                                        plan.starts):
+            k, kept = len(proposal), verdict.num_accepted
             done = seq.num_computed = start + 1 + kept
             if kept:
                 settled.accepted[seq.seq_id] = proposal[:kept]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.sampling import SamplingParams
-from rollout.spec_accept import accept, target_probs
+from rollout.spec_accept import accept, accept_many, target_probs
 
 VOCAB = 5
 BIGRAM = torch.tensor([[1.2, 0.3, -0.5, 0.8, 0.0],
@@ -154,3 +154,36 @@ def test_the_same_seed_speculates_the_same_tokens():
             for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
     assert runs[0] == runs[1]
     assert len(set(itertools.chain.from_iterable(runs[0]))) > 1
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_batched_acceptance_equals_the_one_sequence_rule(with_draft):
+    """`accept_many` over a step's verifications (mixed settings: greedy, T=1, T=0.7 top-k 3, T=1.3 top-p
+    0.8; proposals of 0-4 tokens, half of them right) returns `accept`'s verdicts, token for token and
+    logprob for logprob, from generators in the same state; and leaves them in the same state."""
+    rng = torch.Generator().manual_seed(5)
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.8)]
+    for trial in range(40):
+        num = 1 + trial % 5
+        params = [settings[(trial + i) % 4] for i in range(num)]
+        proposals, logits, drafts = [], [], []
+        for i in range(num):
+            k = int(torch.randint(0, 5, (1,), generator=rng))
+            rows = torch.randn(k + 1, VOCAB, generator=rng) * 2
+            right = rows.argmax(dim=-1).tolist()
+            proposals.append([right[j] if (j + i) % 2 else int(torch.randint(0, VOCAB, (1,), generator=rng))
+                              for j in range(k)])
+            logits.append(rows)
+            drafts.append(torch.softmax(torch.randn(k, VOCAB, generator=rng), dim=-1) if with_draft else None)
+        seeds = [trial * 10 + i for i in range(num)]
+        gens = [torch.Generator().manual_seed(s) if p.temperature > 0 else None for s, p in zip(seeds, params)]
+        many = accept_many(torch.cat(logits), proposals, params, gens, drafts if with_draft else None)
+        gens_one = [torch.Generator().manual_seed(s) if p.temperature > 0 else None for s, p in zip(seeds, params)]
+        one = [accept(x, prop, p, g, q) for x, prop, p, g, q in zip(logits, proposals, params, gens_one, drafts)]
+        for a, b in zip(many, one):
+            assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6) and a.entropies == pytest.approx(b.entropies, abs=1e-5)
+        for a, b in zip(gens, gens_one):
+            if a is not None:
+                assert torch.equal(a.get_state(), b.get_state())
