@@ -53,11 +53,14 @@ def warmed_model(task: str, steps: int, seed: int) -> HybridLM:
     for step in range(steps):
         episodes = [demo_tokens(env, tokenizer, mix_seed(seed, step * 16 + j), value=True) for j in range(16)]
         total = sum(sum(policy[1:]) for _, policy in episodes)
-        loss = torch.zeros(())
-        for tokens, policy in episodes:
-            logp = torch.log_softmax(model(torch.tensor([tokens[:-1]]))[0].float(), dim=-1)  # [T-1, vocab]
-            picked = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-            loss = loss - (picked * torch.tensor(policy[1:], dtype=torch.float32)).sum() / total
+        width = max(len(tokens) for tokens, _ in episodes) - 1
+        inputs, targets, mask = (torch.zeros(16, width, dtype=dtype) for dtype in (torch.long, torch.long, torch.float32))
+        for row, (tokens, policy) in enumerate(episodes):  # right-padded, one packed forward for all 16
+            n = len(tokens) - 1
+            inputs[row, :n], targets[row, :n] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
+            mask[row, :n] = torch.tensor(policy[1:], dtype=torch.float32)
+        picked = model.token_logprobs(inputs, targets, [len(tokens) - 1 for tokens, _ in episodes])  # [16, width]
+        loss = -(picked * mask).sum() / total
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

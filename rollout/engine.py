@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from pathlib import Path
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ from memory.nvme_store import NvmeStore
 from memory.page_pool import OutOfPages, PagePool
 from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
+from models.checkpoint import load_checkpoint
+from models.config import load_model_config
 from rollout.cache_manager import CacheManager
+from rollout.draft import DraftProposer
 from rollout.engine_config import ContextTooLong, EngineConfig
 from rollout.kv_eviction import KVEvictor
 from rollout.lockstep import Lockstep
@@ -67,7 +71,9 @@ class _SamplePlan:
 
 class Engine:
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
+                 draft: HybridLM | None = None) -> None:
+        """`draft`: the draft model of speculative=draft (default: loaded from `config.draft_model`)."""
         self.config = config = config or EngineConfig()
         self.ledger = ledger
         """The host-DRAM ledger the host KV pool leases from (None: unaccounted)."""
@@ -98,7 +104,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
         self.lockstep = Lockstep(model)  # expert parallelism: every step is the expert-parallel group's
         self.speculator = (Speculator(self.cache, config.num_speculative_tokens, config.ngram_min, config.ngram_max,
-                                      config.max_num_batched_tokens, config.max_model_len)
+                                      config.max_num_batched_tokens, config.max_model_len,
+                                      config.speculative_row_cost, proposer=self._draft_proposer(draft))
                            if config.speculative != "off" else None)
         longest = config.longest_kv_tokens
         max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
@@ -118,6 +125,25 @@ class Engine:
         """Tokens sampled since the engine was built (all requests)."""
         self.entropy_sum = 0.0  # of the sampling distributions (nats) over those tokens (rollout/sampling.py)
         self.peak_pages_used = 0
+
+    def _draft_proposer(self, draft: HybridLM | None) -> DraftProposer | None:
+        """speculative=draft: the draft model given, or the one `config.draft_model` names."""
+        if self.config.speculative != "draft":
+            return None
+        if draft is None:
+            if self.config.draft_model is None:
+                raise ValueError("speculative=draft needs a draft model: engine.draft_model=<checkpoint directory> "
+                                 "(or Engine(..., draft=model))")
+            path = Path(self.config.draft_model)
+            if path.is_dir():
+                draft = load_checkpoint(path)
+            elif path.suffix in (".yaml", ".yml") and path.is_file():
+                draft = HybridLM(load_model_config(path)).init_weights(seed=self.seed)
+            else:
+                raise ValueError(f"draft_model={str(path)!r} is neither a checkpoint directory nor a model config "
+                                 f"YAML")
+        draft = draft.to(next(self.model.parameters()).device)
+        return DraftProposer(draft, self.model.config.vocab_size)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -412,6 +438,8 @@ class Engine:
         self.cache.sleep()
         self.runner.invalidate_views()
         self.drop_weight_copies()  # the CPU fused projections are rebuilt at the next step: no copy while asleep
+        if self.speculator is not None:
+            self.speculator.proposer.clear()  # a draft's states: rebuilt by a catch-up
         return self.cache.pages_written_back - written
 
     def wake(self) -> None:

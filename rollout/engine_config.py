@@ -37,7 +37,7 @@ class ContextTooLong(ValueError):
         """Pages one sequence of the prompt + 1 generated token needs."""
         self.pool_pages = pool_pages
 
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "draft")
 """Speculative decoding methods (`EngineConfig.speculative`)."""
 
 
@@ -78,15 +78,25 @@ class EngineConfig:
     """Element type of the KDA state pages ("fp32" | "bf16"), independent of the MLA cache, which
     takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
     speculative: str = "off"
-    """Speculative decoding (rollout/speculation.py): "off", or "ngram" (prompt lookup: proposals copied
-    from the sequence's own earlier tokens, no extra model), verified in one forward with the target's
-    exact distribution and logprobs."""
+    """Speculative decoding (rollout/speculation.py): "off", "ngram" (prompt lookup: proposals copied from
+    earlier text, no extra model) or "draft" (proposals sampled from `draft_model`), verified in one
+    forward with the target's exact distribution and logprobs."""
+    draft_model: str | None = None
+    """With speculative=draft: a checkpoint directory of ours (`python -m rl.export` writes one; its
+    vocabulary must be the target's), or a model config YAML (configs/model/*.yaml: randomly initialised,
+    for tests). Its states live outside the page pool (rollout/draft.py)."""
     num_speculative_tokens: int = 4
     """Most tokens proposed per sequence and step (the verify chunk is this + 1; adapted per sequence)."""
     ngram_min: int = 1
     """Shortest suffix the n-gram proposer looks up in the sequence's earlier tokens."""
     ngram_max: int = 4
     """Longest suffix it looks up (the longest that matches wins)."""
+    speculative_row_cost: float = 0.016
+    """What one more token row costs in a step, as a share of a decode step's fixed part: a sequence
+    verifies the proposals whose chance of being kept pays for their row (rollout/speculation.py
+    `Speculator.worth`). Measured on this project's CPU path with the tiny model: fixed part ~3 ms, a
+    row ~50 us, so ~1/64. On a GPU, where decode is bound by reading the weights, a row costs far less:
+    lower it (not measured on a GPU); 0 = rows are free: verify every proposal, up to num_speculative_tokens."""
 
     def __post_init__(self) -> None:
         self._check_speculation()
@@ -114,10 +124,16 @@ class EngineConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r}, expected an integer >= 1")
+        if isinstance(self.speculative_row_cost, bool) or not isinstance(self.speculative_row_cost, (int, float)) \
+                or self.speculative_row_cost < 0:
+            raise ValueError(f"speculative_row_cost={self.speculative_row_cost!r}, expected a number >= 0")
         sizes = (self.ngram_min, self.ngram_max)
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 1 <= sizes[0] <= sizes[1]:
             raise ValueError(f"ngram_min={self.ngram_min!r}, ngram_max={self.ngram_max!r}: expected integers with "
                              f"1 <= ngram_min <= ngram_max")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise ValueError(f"draft_model={self.draft_model!r} with speculative={self.speculative!r}: a draft model "
+                             f"proposes only with speculative=draft")
         if self.speculative != "off" and self.kv_budget is not None:
             raise ValueError(f"speculative={self.speculative!r} with a KV budget (kv_budget): token eviction "
                              f"and speculation do not run together; turn one off (engine.speculative=off)")

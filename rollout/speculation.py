@@ -2,9 +2,10 @@
 back by choosing a page.
 
 Per step, after the scheduler: each decoding sequence (its one uncomputed token is the last it sampled)
-may get up to `num_speculative_tokens` proposals d_1 .. d_k from a proposer (`NgramProposer`: prompt lookup
-over the sequence's own tokens, then over what the engine's sequences generated lately). It then computes
-k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
+may get up to `num_speculative_tokens` proposals d_1 .. d_k from a proposer (rollout/proposers.py
+`NgramProposer`: prompt lookup over what the engine's sequences generated lately and the sequence's own
+tokens; rollout/draft.py `DraftProposer`: a small model's samples, whose distribution is the acceptance
+rule's q). It then computes k + 1 tokens in the step: [last, d_1 .. d_k] as one chunk.
 MLA writes k + 1 slots; each KDA layer also writes its state and conv tails after each of the first k of
 them into k pages of their own per cache group (models/paged_positions.py). The target's logits at the
 k + 1 positions decide (rollout/spec_accept.py) how many proposals stay (a) and the token after them; then:
@@ -22,19 +23,22 @@ Proposals stop short of max_new_tokens and max_model_len, and of the step's toke
 whose growth or position pages do not fit the pool this step decodes plainly. Tokens carry the policy
 version and the target's logprobs as plain decoding's do.
 
-Adaptive per sequence: k follows the last acceptance (a + 1, at most the knob); a sequence whose
-proposals were all rejected stops speculating for 2, 4, 8 ... (at most 64) of its tokens.
+Adaptive per sequence, from counts only (so a seeded run speculates the same way each time): each
+sequence's chance that a proposal is kept is estimated from its own verifications and the engine's
+(`acceptance_estimate`), and it verifies only the proposals that pay for their token row (`worth`: on CPU
+a row costs about 1/64 of a decode step's fixed part, `EngineConfig.speculative_row_cost`); where none
+pays it still verifies one proposal after 4, then 8, 16 ... (at most 64) tokens, to notice a change.
 """
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from memory.page_pool import OutOfPages
 from rollout.cache_manager import CacheManager
+from rollout.proposers import NgramProposer, Proposer
 from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
 from rollout.spec_accept import accept_many
@@ -42,48 +46,13 @@ from rollout.spec_accept import accept_many
 Sample = tuple[Sequence, int, float, float]
 """A token a step emits: (sequence, token, behaviour logprob, entropy of its sampling distribution)."""
 MAX_BACKOFF = 64
-"""Most tokens a sequence decodes plainly after a verification that kept nothing."""
-
-
-class NgramProposer:
-    """Prompt lookup: the continuation of the most recent earlier occurrence of the sequence's last n
-    tokens (the longest n in [ngram_min, ngram_max] that occurs), in the sequence itself or, failing a
-    longer match there, in what any sequence of the engine generated lately (a shared table of the last
-    `shared_entries` n-grams of generated text: agentic answers repeat their format across trajectories,
-    as suffix decoding exploits, Oliaro et al. 2024). Each sequence's n-grams are indexed incrementally
-    (the latest end position of each), so a proposal costs O(ngram_max) lookups, not a scan."""
-
-    def __init__(self, ngram_min: int, ngram_max: int, shared_entries: int = 1 << 16) -> None:
-        self.ngram_min, self.ngram_max, self.shared_entries = ngram_min, ngram_max, shared_entries
-        self._index: weakref.WeakKeyDictionary[Sequence, tuple[int, dict[tuple[int, ...], int]]] = \
-            weakref.WeakKeyDictionary()
-        self._shared: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
-
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens to follow seq.tokens (fewer at the end of what was copied; [] when no n-gram
-        of the suffix occurred before, here or in the shared table)."""
-        tokens = seq.tokens
-        upto, index = self._index.get(seq, (0, {}))
-        for end in range(max(upto, 1), len(tokens)):  # n-grams ending at `end` (exclusive), followed by a token
-            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
-                key = tuple(tokens[end - n:end])
-                index[key] = end
-                if end > seq.prompt_len:  # generated text: shared
-                    self._shared[key] = (tokens, end)
-                    self._shared.move_to_end(key)
-        while len(self._shared) > self.shared_entries:
-            self._shared.popitem(last=False)
-        self._index[seq] = (len(tokens), index)
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            key = tuple(tokens[len(tokens) - n:])
-            end = index.get(key)
-            if end is not None:
-                return list(tokens[end:end + k])
-            shared = self._shared.get(key)
-            if shared is not None and shared[0] is not tokens:
-                source, end = shared
-                return list(source[end:end + k])
-        return []
+"""Most tokens a sequence for which speculation does not pay decodes between two probes."""
+PROBE_AFTER = 4
+"""Tokens before the first probe of such a sequence (then 8, 16 ... MAX_BACKOFF between probes)."""
+PRIOR_WEIGHT = 4.0
+"""Pseudo-observations of the engine-wide acceptance in each sequence's estimate."""
+GLOBAL_DECAY = 0.99
+"""Per verification, the weight the engine-wide counts keep (about the last 100 verifications count)."""
 
 
 @dataclass
@@ -94,6 +63,8 @@ class Verification:
     """Indices into the step's sequences."""
     proposals: list[list[int]]
     """Per verifying sequence, its proposals (k >= 1 tokens)."""
+    draft_probs: list[torch.Tensor | None]
+    """Per verifying sequence, the distribution [k, vocab] each proposal was drawn from (None: point masses)."""
     position_pages: list[list[list[int]]]
     """Per verifying sequence, per KDA cache group, the k pages of its states after 1..k new tokens."""
     starts: list[int]
@@ -119,26 +90,54 @@ class Settlement:
 
 @dataclass
 class _Pace:
-    """A sequence's adaptive speculation length."""
+    """A sequence's acceptance record, for its adaptive speculation length."""
 
-    k: int
+    accepted: int = 0
+    """Proposals it kept."""
+    rejected: int = 0
+    """Verifications that stopped at a rejected proposal."""
     misses: int = 0
-    resume_at: int = 0
-    """Generated-token count from which it speculates again."""
+    """Probes in a row while speculation did not pay."""
+    probe_at: int = PROBE_AFTER
+    """Generated-token count at which a sequence for which speculation does not pay verifies one proposal."""
 
 
 class Speculator:
     """Plans a step's verifications and settles them (module docstring)."""
 
     def __init__(self, cache: CacheManager, num_speculative_tokens: int, ngram_min: int, ngram_max: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, row_cost: float = 0.016,
+                 proposer: Proposer | None = None) -> None:
         self.cache, self.pool = cache, cache.pool
         self.max_k, self.max_batched, self.max_model_len = num_speculative_tokens, max_num_batched_tokens, max_model_len
-        self.proposer = NgramProposer(ngram_min, ngram_max)
+        self.row_cost = row_cost
+        """A token row's cost as a share of a step's fixed part (EngineConfig.speculative_row_cost)."""
+        self.proposer: Proposer = proposer if proposer is not None else NgramProposer(ngram_min, ngram_max)
         self._pace: weakref.WeakKeyDictionary[Sequence, _Pace] = weakref.WeakKeyDictionary()
+        self._global = [0.0, 0.0]  # engine-wide (accepted, rejected), decayed per verification
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
+        self.num_probes = 0
+
+    def acceptance_estimate(self, seq: Sequence) -> float:
+        """The chance that `seq`'s next proposal is kept: its kept / (kept + rejections), with PRIOR_WEIGHT
+        pseudo-observations at the engine-wide rate (itself starting from one kept and one rejected)."""
+        accepted, rejected = self._global
+        overall = (accepted + 1.0) / (accepted + rejected + 2.0)
+        pace = self._pace.get(seq) or _Pace()
+        return (pace.accepted + PRIOR_WEIGHT * overall) / (pace.accepted + pace.rejected + PRIOR_WEIGHT)
+
+    def worth(self, acceptance: float, num_seqs: int) -> int:
+        """Proposals that pay in a step of `num_seqs` sequences: proposal j (kept with chance a^j) costs one
+        token row, c; kept, it saves a later row and its share of a step's fixed part S, c + S / num_seqs.
+        So it pays while a^j >= c / (c + S / num_seqs) = r n / (r n + 1), r = c / S = `row_cost`."""
+        scaled = self.row_cost * max(num_seqs, 1)
+        threshold = scaled / (scaled + 1.0)
+        k, chance = 0, acceptance
+        while k < self.max_k and chance >= threshold:
+            k, chance = k + 1, chance * acceptance
+        return k
 
     @property
     def acceptance_rate(self) -> float:
@@ -149,36 +148,53 @@ class Speculator:
         """Extend the step's decoding sequences by their proposals (their `num_new_tokens` grow to k + 1;
         their pages and position pages allocated); None when nobody speculates."""
         budget = self.max_batched - step.num_tokens
-        plan = Verification([], [], [], [])
+        wanted: list[tuple[int, int]] = []  # (index into the step, proposals it may verify)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             if budget <= 0:
                 break
-            k = self._room(seq, n, budget)
-            proposal = self.proposer.propose(seq, k) if k > 0 else []
+            k = self._room(seq, n, budget, len(step.seqs))
+            if k > 0:
+                wanted.append((i, k))
+                budget -= k
+        if not wanted:
+            return None
+        proposals = self.proposer.propose_batch([step.seqs[i] for i, _ in wanted], [k for _, k in wanted])
+        plan = Verification([], [], [], [], [])
+        for (i, _), (proposal, q) in zip(wanted, proposals):
+            seq = step.seqs[i]
             if not proposal or not self.cache.grow(seq, 1 + len(proposal)):
                 continue
             pages = self._position_pages(len(proposal))
             if pages is None:
                 continue
             step.num_new_tokens[i] = 1 + len(proposal)
-            budget -= len(proposal)
             plan.index.append(i)
             plan.proposals.append(proposal)
+            plan.draft_probs.append(q)
             plan.position_pages.append(pages)
             plan.starts.append(seq.num_computed)
         return plan if plan.index else None
 
-    def _room(self, seq: Sequence, n: int, budget: int) -> int:
-        """Proposals `seq` may verify this step: 0 unless it decodes; within its pace, the budget, its
-        max_new_tokens and max_model_len, and the next hash-block boundary (a chunk ends there)."""
+    def _room(self, seq: Sequence, n: int, budget: int, num_seqs: int) -> int:
+        """Proposals `seq` may verify this step: 0 unless it decodes; as many as pay (`worth`), or one probe
+        every PROBE_AFTER, 2 x PROBE_AFTER .. MAX_BACKOFF tokens when none does; within the budget, its
+        max_new_tokens and max_model_len."""
         if n != 1 or seq.num_computed != seq.num_tokens - 1 or seq.num_computed == 0 or seq.num_forks:
             return 0
-        pace = self._pace.setdefault(seq, _Pace(self.max_k))
-        if seq.num_generated < pace.resume_at:
+        room = min(budget, seq.params.max_new_tokens - seq.num_generated - 1, self.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
             return 0
-        k = min(pace.k, budget, seq.params.max_new_tokens - seq.num_generated - 1,
-                self.max_model_len - seq.num_tokens - 1)
-        return max(k, 0)
+        pace = self._pace.setdefault(seq, _Pace())
+        k = self.worth(self.acceptance_estimate(seq), num_seqs)
+        if k:
+            pace.misses = 0
+            return min(k, room)
+        if seq.num_generated < pace.probe_at:
+            return 0
+        pace.misses += 1
+        pace.probe_at = seq.num_generated + min(PROBE_AFTER * 2 ** pace.misses, MAX_BACKOFF)
+        self.num_probes += 1
+        return 1
 
     def _position_pages(self, k: int) -> list[list[int]] | None:
         """k fresh state pages per KDA cache group, or None (nothing allocated) when the pool lacks them."""
@@ -201,8 +217,9 @@ class Speculator:
         settled = Settlement({}, {}, [])
         hash_block = self.cache.prefix.config.hash_block if self.cache.prefix is not None else 0
         seqs = [step.seqs[i] for i in plan.index]
+        drafts = plan.draft_probs if any(q is not None for q in plan.draft_probs) else None
         verdicts = accept_many(logits, plan.proposals, [seq.params for seq in seqs],
-                               [seq.generator if seq.params.temperature > 0 else None for seq in seqs])
+                               [seq.generator if seq.params.temperature > 0 else None for seq in seqs], drafts)
         for seq, verdict, proposal, pages, start in zip(seqs, verdicts, plan.proposals, plan.position_pages,
                                                         plan.starts):
             k, kept = len(proposal), verdict.num_accepted
@@ -218,6 +235,7 @@ class Speculator:
                     seq.kda_pages[g] = group[kept]
                 settled.release += [p for j, p in enumerate(group) if j != kept]  # all of them when kept == k
             self._update_pace(seq, k, kept)
+            self.proposer.settled(seq, k, kept)
             samples += zip([seq] * len(verdict.tokens), verdict.tokens, verdict.logprobs, verdict.entropies)
         return samples, settled
 
@@ -225,10 +243,8 @@ class Speculator:
         self.num_proposed += k
         self.num_accepted += kept
         self.num_verifications += 1
-        pace = self._pace.setdefault(seq, _Pace(self.max_k))
-        pace.k = min(self.max_k, kept + 1)
-        if kept == 0:
-            pace.misses += 1
-            pace.resume_at = seq.num_generated + 1 + min(2 ** pace.misses, MAX_BACKOFF)
-        else:
-            pace.misses = 0
+        pace = self._pace.setdefault(seq, _Pace())
+        rejected = int(kept < k)
+        pace.accepted += kept
+        pace.rejected += rejected
+        self._global = [self._global[0] * GLOBAL_DECAY + kept, self._global[1] * GLOBAL_DECAY + rejected]

@@ -206,21 +206,29 @@ torch::Tensor kda_decode_tokens(torch::Tensor mixed, torch::Tensor g, torch::Ten
         const float* S_in = sp + page * s0 + h * s1;
         float* S = sp + out_page * s0 + h * s1;
         float* out = op + (r * H + h) * V;
+        float* pr = pred.data();
+        float* dl = delta.data();
         std::fill(pred.begin(), pred.end(), 0.f);
         for (int64_t i = 0; i < D; ++i) {
           const float decay = std::exp(gr[i]), ki = kr[i];
-          for (int64_t j = 0; j < V; ++j) {
-            const float s = S_in[i * s2 + j * s3] * decay;
-            S[i * s2 + j * s3] = s;
-            pred[j] += ki * s;
+          const float* Si_in = S_in + i * s2;
+          float* Si = S + i * s2;
+          if (s3 == 1) {  // contiguous value columns: vectorisable
+            for (int64_t j = 0; j < V; ++j) { const float x = Si_in[j] * decay; Si[j] = x; pr[j] += ki * x; }
+          } else {
+            for (int64_t j = 0; j < V; ++j) { const float x = Si_in[j * s3] * decay; Si[j * s3] = x; pr[j] += ki * x; }
           }
         }
         const float b_ = bp[r * H + h];
-        for (int64_t j = 0; j < V; ++j) { delta[j] = b_ * (vr[j] - pred[j]); out[j] = 0.f; }
+        for (int64_t j = 0; j < V; ++j) { dl[j] = b_ * (vr[j] - pr[j]); out[j] = 0.f; }
         for (int64_t i = 0; i < D; ++i) {
           const float ki = kr[i], qi = fscale * qr[i];
           float* Si = S + i * s2;
-          for (int64_t j = 0; j < V; ++j) { Si[j * s3] += ki * delta[j]; out[j] += qi * Si[j * s3]; }
+          if (s3 == 1) {
+            for (int64_t j = 0; j < V; ++j) { Si[j] += ki * dl[j]; out[j] += qi * Si[j]; }
+          } else {
+            for (int64_t j = 0; j < V; ++j) { Si[j * s3] += ki * dl[j]; out[j] += qi * Si[j * s3]; }
+          }
         }
         page = out_page;
       }

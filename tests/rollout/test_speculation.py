@@ -12,7 +12,7 @@ from rollout.engine import Engine, EngineConfig
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.request import SeqStatus
 from rollout.sampling import SamplingParams
-from rollout.speculation import NgramProposer
+from rollout.proposers import NgramProposer, Proposer
 from tests.rollout.test_prefix_cache import HB, make_verifier
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -29,7 +29,7 @@ def prompts(num: int, seed: int) -> list[list[int]]:
     return out
 
 
-class Oracle:
+class Oracle(Proposer):
     """Proposes what plain decoding will emit (always right), or its tokens shifted by one (always wrong)."""
 
     def __init__(self, expected: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
@@ -45,7 +45,7 @@ class Oracle:
         raise AssertionError("unknown sequence")
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
