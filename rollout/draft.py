@@ -69,7 +69,7 @@ class DraftProposer(Proposer):
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        out: list[Proposal] = [([], None)] * len(seqs)
+        out = [Proposal([]) for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         if not active:
             return out
@@ -100,7 +100,7 @@ class DraftProposer(Proposer):
                     still.append(j)
             live = still
         for j, i in enumerate(active):
-            out[i] = (tokens[j], torch.stack(dists[j]))
+            out[i] = Proposal(tokens[j], torch.stack(dists[j]), "draft")
         return out
 
     @staticmethod
@@ -121,6 +121,9 @@ class DraftProposer(Proposer):
             drawn = torch.where(greedy, best, drawn)
             q = torch.where(greedy[:, None], torch.nn.functional.one_hot(best, q.shape[-1]).float(), q)
         return drawn.tolist(), q
+
+    def kind_of(self, seq: Sequence) -> str:
+        return "draft"
 
     def settled(self, seq: Sequence, proposed: int, kept: int) -> None:
         """The state after the base tokens and the kept proposals becomes the sequence's (module docstring)."""

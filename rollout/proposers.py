@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from rollout.request import Sequence
 
-Proposal = tuple[list[int], "torch.Tensor | None"]
-"""Proposed tokens d_1 .. d_k, and q [k, vocab], the distribution each was drawn from (None: point masses)."""
+@dataclass
+class Proposal:
+    """What a proposer suggests for one sequence."""
+
+    tokens: list[int]
+    """d_1 .. d_k (empty: nothing to propose)."""
+    draft_probs: torch.Tensor | None = None
+    """q [k, vocab], the distribution each d_i was drawn from (None: point masses)."""
+    kind: str = ""
+    """What produced it ("shared:<n>", "own:<n>" for n-gram matches of length n, "draft"): the engine
+    tracks how often each kind is kept (rollout/speculation.py)."""
 
 
 class Proposer:
@@ -27,8 +37,13 @@ class Proposer:
         raise NotImplementedError
 
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Up to ks[i] tokens for seqs[i] (an empty list: none), with their draft distributions."""
-        return [(self.propose(seq, k), None) for seq, k in zip(seqs, ks)]
+        """Up to ks[i] tokens for seqs[i] (none when ks[i] is 0)."""
+        return [Proposal(self.propose(seq, k) if k else []) for seq, k in zip(seqs, ks)]
+
+    def kind_of(self, seq: Sequence) -> str | None:
+        """The kind of `seq`'s next proposal when known before proposing (None: only the proposal says);
+        the engine then limits k before paying for a proposal (a draft model's forward passes)."""
+        return None
 
     def settled(self, seq: Sequence, proposed: int, kept: int) -> None:
         """`seq` kept `kept` of its `proposed` tokens (its tokens are not appended yet)."""
@@ -55,6 +70,12 @@ class NgramProposer(Proposer):
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens to follow seq.tokens (fewer at the end of what was copied; [] when no n-gram
         of the suffix occurred before, here or in the shared table)."""
+        return self._lookup(seq, k).tokens
+
+    def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [self._lookup(seq, k) if k else Proposal([]) for seq, k in zip(seqs, ks)]
+
+    def _lookup(self, seq: Sequence, k: int) -> Proposal:
         tokens = seq.tokens
         upto, index = self._index.get(seq, (0, {}))
         for end in range(max(upto, 1), len(tokens)):  # n-grams ending at `end` (exclusive), followed by a token
@@ -72,8 +93,8 @@ class NgramProposer(Proposer):
             shared = self._shared.get(key)
             if shared is not None and shared[0] is not tokens:  # what a sequence generated after it
                 source, end = shared
-                return list(source[end:end + k])
+                return Proposal(list(source[end:end + k]), kind=f"shared:{n}")
             end = index.get(key)
             if end is not None:
-                return list(tokens[end:end + k])
-        return []
+                return Proposal(list(tokens[end:end + k]), kind=f"own:{n}")
+        return Proposal([])

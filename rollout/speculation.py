@@ -23,11 +23,12 @@ Proposals stop short of max_new_tokens and max_model_len, and of the step's toke
 whose growth or position pages do not fit the pool this step decodes plainly. Tokens carry the policy
 version and the target's logprobs as plain decoding's do.
 
-Adaptive per sequence, from counts only (so a seeded run speculates the same way each time): each
-sequence's chance that a proposal is kept is estimated from its own verifications and the engine's
-(`acceptance_estimate`), and it verifies only the proposals that pay for their token row (`worth`: on CPU
-a row costs about 1/64 of a decode step's fixed part, `EngineConfig.speculative_row_cost`); where none
-pays it still verifies one proposal after 4, then 8, 16 ... (at most 64) tokens, to notice a change.
+Adaptive per sequence, from counts only (so a seeded run speculates the same way each time): the chance
+that a proposal is kept is estimated per sequence and per kind of proposal (an n-gram match of n tokens
+from generated text or from the sequence's own, a draft's: `acceptance_estimate`), and a sequence verifies
+only the proposals that pay for their token row (`worth`: on CPU a row costs about 1/64 of a decode step's
+fixed part, `EngineConfig.speculative_row_cost`); where none pays it still verifies one proposal after 4,
+then 8, 16 ... (at most 64) of its tokens, to notice a change.
 """
 from __future__ import annotations
 
@@ -51,8 +52,14 @@ PROBE_AFTER = 4
 """Tokens before the first probe of such a sequence (then 8, 16 ... MAX_BACKOFF between probes)."""
 PRIOR_WEIGHT = 4.0
 """Pseudo-observations of the engine-wide acceptance in each sequence's estimate."""
+PROBES_PER_STEP = 2
+"""Most probes in one step (sequences in lockstep would otherwise all probe at once)."""
+KNOWN_KIND = 8
+"""Observations (kept + rejected, decayed) after which a kind's engine-wide rate is trusted: a kind known
+not to pay is then probed once in KNOWN_KIND_PROBE_EVERY of the probes that come due."""
+KNOWN_KIND_PROBE_EVERY = 16
 GLOBAL_DECAY = 0.99
-"""Per verification, the weight the engine-wide counts keep (about the last 100 verifications count)."""
+"""Per verification of a kind, the weight its engine-wide counts keep (about its last 100 verifications count)."""
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Verification:
     """Per verifying sequence, its proposals (k >= 1 tokens)."""
     draft_probs: list[torch.Tensor | None]
     """Per verifying sequence, the distribution [k, vocab] each proposal was drawn from (None: point masses)."""
+    kinds: list[str]
+    """Per verifying sequence, what produced its proposals (`Proposal.kind`)."""
     position_pages: list[list[list[int]]]
     """Per verifying sequence, per KDA cache group, the k pages of its states after 1..k new tokens."""
     starts: list[int]
@@ -114,16 +123,19 @@ class Speculator:
         """A token row's cost as a share of a step's fixed part (EngineConfig.speculative_row_cost)."""
         self.proposer: Proposer = proposer if proposer is not None else NgramProposer(ngram_min, ngram_max)
         self._pace: weakref.WeakKeyDictionary[Sequence, _Pace] = weakref.WeakKeyDictionary()
-        self._global = [0.0, 0.0]  # engine-wide (accepted, rejected), decayed per verification
+        self._kinds: dict[str, tuple[float, float]] = {}  # kind -> engine-wide (kept, rejected), decayed
+        self._declined: dict[str, int] = {}  # kind -> times a sequence's probe of it came due
+        self._step_probes = 0  # probes planned in the current step
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
         self.num_probes = 0
 
-    def acceptance_estimate(self, seq: Sequence) -> float:
-        """The chance that `seq`'s next proposal is kept: its kept / (kept + rejections), with PRIOR_WEIGHT
-        pseudo-observations at the engine-wide rate (itself starting from one kept and one rejected)."""
-        accepted, rejected = self._global
+    def acceptance_estimate(self, seq: Sequence, kind: str) -> float:
+        """The chance that `seq`'s next proposal of `kind` is kept: its own kept / (kept + rejections),
+        with PRIOR_WEIGHT pseudo-observations at the engine-wide rate of that kind (itself starting from
+        one kept and one rejected): an n-gram match of 4 tokens is kept far more often than one of 1."""
+        accepted, rejected = self._kinds.get(kind, (0.0, 0.0))
         overall = (accepted + 1.0) / (accepted + rejected + 2.0)
         pace = self._pace.get(seq) or _Pace()
         return (pace.accepted + PRIOR_WEIGHT * overall) / (pace.accepted + pace.rejected + PRIOR_WEIGHT)
@@ -148,49 +160,68 @@ class Speculator:
         """Extend the step's decoding sequences by their proposals (their `num_new_tokens` grow to k + 1;
         their pages and position pages allocated); None when nobody speculates."""
         budget = self.max_batched - step.num_tokens
+        num_seqs = len(step.seqs)
+        self._step_probes = 0
         wanted: list[tuple[int, int]] = []  # (index into the step, proposals it may verify)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             if budget <= 0:
                 break
-            k = self._room(seq, n, budget, len(step.seqs))
-            if k > 0:
-                wanted.append((i, k))
-                budget -= k
+            room = self._room(seq, n, budget)
+            kind = self.proposer.kind_of(seq) if room else None
+            if kind is not None:  # known before proposing: ask only for what pays (a draft's passes cost)
+                room = self._paying(seq, kind, room, num_seqs)
+            if room > 0:
+                wanted.append((i, room))
+                budget -= room
         if not wanted:
             return None
         proposals = self.proposer.propose_batch([step.seqs[i] for i, _ in wanted], [k for _, k in wanted])
-        plan = Verification([], [], [], [], [])
-        for (i, _), (proposal, q) in zip(wanted, proposals):
+        plan = Verification([], [], [], [], [], [])
+        for (i, room), proposal in zip(wanted, proposals):
             seq = step.seqs[i]
-            if not proposal or not self.cache.grow(seq, 1 + len(proposal)):
+            tokens = proposal.tokens[:room]
+            if tokens and self.proposer.kind_of(seq) is None:
+                tokens = tokens[:self._paying(seq, proposal.kind, len(tokens), num_seqs)]
+            if not tokens or not self.cache.grow(seq, 1 + len(tokens)):
                 continue
-            pages = self._position_pages(len(proposal))
+            pages = self._position_pages(len(tokens))
             if pages is None:
                 continue
-            step.num_new_tokens[i] = 1 + len(proposal)
+            step.num_new_tokens[i] = 1 + len(tokens)
             plan.index.append(i)
-            plan.proposals.append(proposal)
-            plan.draft_probs.append(q)
+            plan.proposals.append(tokens)
+            plan.draft_probs.append(None if proposal.draft_probs is None else proposal.draft_probs[:len(tokens)])
+            plan.kinds.append(proposal.kind)
             plan.position_pages.append(pages)
             plan.starts.append(seq.num_computed)
         return plan if plan.index else None
 
-    def _room(self, seq: Sequence, n: int, budget: int, num_seqs: int) -> int:
-        """Proposals `seq` may verify this step: 0 unless it decodes; as many as pay (`worth`), or one probe
-        every PROBE_AFTER, 2 x PROBE_AFTER .. MAX_BACKOFF tokens when none does; within the budget, its
-        max_new_tokens and max_model_len."""
+    def _room(self, seq: Sequence, n: int, budget: int) -> int:
+        """Proposals `seq` may verify this step at most: 0 unless it decodes; within num_speculative_tokens,
+        the budget, its max_new_tokens and max_model_len."""
         if n != 1 or seq.num_computed != seq.num_tokens - 1 or seq.num_computed == 0 or seq.num_forks:
             return 0
-        room = min(budget, seq.params.max_new_tokens - seq.num_generated - 1, self.max_model_len - seq.num_tokens - 1)
-        if room <= 0:
-            return 0
+        return max(0, min(self.max_k, budget, seq.params.max_new_tokens - seq.num_generated - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def _paying(self, seq: Sequence, kind: str, room: int, num_seqs: int) -> int:
+        """Of `room` proposals of `kind`, those that pay (`worth`); when none does, one probe after
+        PROBE_AFTER, then 2 x, 4 x ... (at most MAX_BACKOFF) of the sequence's tokens (only one in
+        KNOWN_KIND_PROBE_EVERY of them once the kind's rate is known), else 0."""
         pace = self._pace.setdefault(seq, _Pace())
-        k = self.worth(self.acceptance_estimate(seq), num_seqs)
+        k = self.worth(self.acceptance_estimate(seq, kind), num_seqs)
         if k:
             pace.misses = 0
             return min(k, room)
         if seq.num_generated < pace.probe_at:
             return 0
+        if self._step_probes >= PROBES_PER_STEP:
+            return 0  # exploration costs at most PROBES_PER_STEP rows a step
+        accepted, rejected = self._kinds.get(kind, (0.0, 0.0))
+        self._declined[kind] = self._declined.get(kind, 0) + 1
+        if accepted + rejected >= KNOWN_KIND and self._declined[kind] % KNOWN_KIND_PROBE_EVERY:
+            return 0  # a kind known not to pay: probed rarely
+        self._step_probes += 1
         pace.misses += 1
         pace.probe_at = seq.num_generated + min(PROBE_AFTER * 2 ** pace.misses, MAX_BACKOFF)
         self.num_probes += 1
@@ -220,8 +251,8 @@ class Speculator:
         drafts = plan.draft_probs if any(q is not None for q in plan.draft_probs) else None
         verdicts = accept_many(logits, plan.proposals, [seq.params for seq in seqs],
                                [seq.generator if seq.params.temperature > 0 else None for seq in seqs], drafts)
-        for seq, verdict, proposal, pages, start in zip(seqs, verdicts, plan.proposals, plan.position_pages,
-                                                        plan.starts):
+        for seq, verdict, proposal, kind, pages, start in zip(seqs, verdicts, plan.proposals, plan.kinds,
+                                                              plan.position_pages, plan.starts):
             k, kept = len(proposal), verdict.num_accepted
             done = seq.num_computed = start + 1 + kept
             if kept:
@@ -234,12 +265,12 @@ class Speculator:
                     settled.release.append(seq.kda_pages[g])
                     seq.kda_pages[g] = group[kept]
                 settled.release += [p for j, p in enumerate(group) if j != kept]  # all of them when kept == k
-            self._update_pace(seq, k, kept)
+            self._update_pace(seq, kind, k, kept)
             self.proposer.settled(seq, k, kept)
             samples += zip([seq] * len(verdict.tokens), verdict.tokens, verdict.logprobs, verdict.entropies)
         return samples, settled
 
-    def _update_pace(self, seq: Sequence, k: int, kept: int) -> None:
+    def _update_pace(self, seq: Sequence, kind: str, k: int, kept: int) -> None:
         self.num_proposed += k
         self.num_accepted += kept
         self.num_verifications += 1
@@ -247,4 +278,5 @@ class Speculator:
         rejected = int(kept < k)
         pace.accepted += kept
         pace.rejected += rejected
-        self._global = [self._global[0] * GLOBAL_DECAY + kept, self._global[1] * GLOBAL_DECAY + rejected]
+        accepted_all, rejected_all = self._kinds.get(kind, (0.0, 0.0))
+        self._kinds[kind] = (accepted_all * GLOBAL_DECAY + kept, rejected_all * GLOBAL_DECAY + rejected)
