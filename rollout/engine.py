@@ -243,7 +243,8 @@ class Engine:
         `pool_utilization` counts every used page, those only the prefix cache holds included
         (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step; the
         dispatcher's `signals()` counts them free above its watermark and reserves each sequence's
-        resume point, docs/rollout.md). Plus the cache's counters (`CacheManager.stats`)."""
+        resume point, docs/rollout.md). Plus the cache's counters (`CacheManager.stats`) and, with
+        speculative decoding, its counters (proposed, accepted tokens; verifications)."""
         sched = self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
@@ -252,7 +253,15 @@ class Engine:
                 "preemptions": sched.num_preemptions, "swapped_out": sched.num_swapped_out,
                 "swapped_in": sched.num_swapped_in, "recomputed": sched.num_recomputed,
                 "steps": self.num_steps, "policy_version": self.policy_version,
-                **self.cache.stats()}
+                **self.cache.stats(), **self._speculation_stats()}
+
+    def _speculation_stats(self) -> dict[str, float]:
+        """With speculative decoding: tokens proposed and kept and verifications since the engine was built."""
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return {"spec_proposed": spec.num_proposed, "spec_accepted": spec.num_accepted,
+                "spec_verifications": spec.num_verifications}
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

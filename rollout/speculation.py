@@ -52,6 +52,9 @@ PROBE_AFTER = 4
 """Tokens before the first probe of such a sequence (then 8, 16 ... MAX_BACKOFF between probes)."""
 PRIOR_WEIGHT = 4.0
 """Pseudo-observations of the engine-wide acceptance in each sequence's estimate."""
+VERIFY_ROWS = 2.0
+"""What verifying a sequence costs besides its rows, in rows: planning, acceptance, position pages (~0.1 ms
+of Python on CPU, about two rows of the tiny model)."""
 PROBES_PER_STEP = 2
 """Most probes in one step (sequences in lockstep would otherwise all probe at once)."""
 KNOWN_KIND = 8
@@ -133,23 +136,37 @@ class Speculator:
 
     def acceptance_estimate(self, seq: Sequence, kind: str) -> float:
         """The chance that `seq`'s next proposal of `kind` is kept: its own kept / (kept + rejections),
-        with PRIOR_WEIGHT pseudo-observations at the engine-wide rate of that kind (itself starting from
-        one kept and one rejected): an n-gram match of 4 tokens is kept far more often than one of 1."""
+        with PRIOR_WEIGHT pseudo-observations at the engine-wide rate of that kind (`kind_rate`): an
+        n-gram match of 4 tokens is kept far more often than one of 1."""
+        return self._blend(seq, self.kind_rate(kind))
+
+    def kind_rate(self, kind: str) -> float:
+        """The engine-wide rate at which proposals of `kind` are kept (from one kept and one rejected)."""
         accepted, rejected = self._kinds.get(kind, (0.0, 0.0))
-        overall = (accepted + 1.0) / (accepted + rejected + 2.0)
-        pace = self._pace.get(seq) or _Pace()
+        return (accepted + 1.0) / (accepted + rejected + 2.0)
+
+    def _blend(self, seq: Sequence, overall: float) -> float:
+        pace = self._pace.get(seq)
+        if pace is None:
+            return overall
         return (pace.accepted + PRIOR_WEIGHT * overall) / (pace.accepted + pace.rejected + PRIOR_WEIGHT)
 
     def worth(self, acceptance: float, num_seqs: int) -> int:
-        """Proposals that pay in a step of `num_seqs` sequences: proposal j (kept with chance a^j) costs one
-        token row, c; kept, it saves a later row and its share of a step's fixed part S, c + S / num_seqs.
-        So it pays while a^j >= c / (c + S / num_seqs) = r n / (r n + 1), r = c / S = `row_cost`."""
-        scaled = self.row_cost * max(num_seqs, 1)
-        threshold = scaled / (scaled + 1.0)
-        k, chance = 0, acceptance
-        while k < self.max_k and chance >= threshold:
-            k, chance = k + 1, chance * acceptance
-        return k
+        """How many proposals pay in a step of `num_seqs` sequences (0: none). In token rows: proposal j, kept
+        with chance a^j, costs one row; kept, it saves a later row and its share of a step's fixed part,
+        1 + 1 / (r num_seqs) rows, r = `row_cost` (a row's cost as a share of the fixed part); a
+        verification also costs VERIFY_ROWS rows of bookkeeping. The k with the largest expected saving
+        sum_j a^j (1 + 1 / (r n)) - k - VERIFY_ROWS, if that saving is positive."""
+        if self.row_cost == 0:
+            return self.max_k
+        saved_per_kept = 1.0 + 1.0 / (self.row_cost * max(num_seqs, 1))
+        best_k, best, total, chance = 0, 0.0, -VERIFY_ROWS, 1.0
+        for k in range(1, self.max_k + 1):
+            chance *= acceptance
+            total += chance * saved_per_kept - 1.0
+            if total > best:
+                best_k, best = k, total
+        return best_k
 
     @property
     def acceptance_rate(self) -> float:
@@ -162,6 +179,7 @@ class Speculator:
         budget = self.max_batched - step.num_tokens
         num_seqs = len(step.seqs)
         self._step_probes = 0
+        best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
         wanted: list[tuple[int, int]] = []  # (index into the step, proposals it may verify)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             if budget <= 0:
@@ -170,6 +188,8 @@ class Speculator:
             kind = self.proposer.kind_of(seq) if room else None
             if kind is not None:  # known before proposing: ask only for what pays (a draft's passes cost)
                 room = self._paying(seq, kind, room, num_seqs)
+            elif room and not self._may_pay(seq, num_seqs, best_rate):
+                room = 0  # no kind pays here and no probe is due: not even a lookup
             if room > 0:
                 wanted.append((i, room))
                 budget -= room
@@ -203,6 +223,14 @@ class Speculator:
             return 0
         return max(0, min(self.max_k, budget, seq.params.max_new_tokens - seq.num_generated - 1,
                           self.max_model_len - seq.num_tokens - 1))
+
+    def _may_pay(self, seq: Sequence, num_seqs: int, best_rate: float) -> bool:
+        """Whether a proposal of the best kind (engine-wide rate `best_rate`) could pay for `seq` in this
+        step, or its probe is due."""
+        pace = self._pace.get(seq)
+        if seq.num_generated >= (PROBE_AFTER if pace is None else pace.probe_at):
+            return True
+        return self.worth(self._blend(seq, best_rate), num_seqs) > 0
 
     def _paying(self, seq: Sequence, kind: str, room: int, num_seqs: int) -> int:
         """Of `room` proposals of `kind`, those that pay (`worth`); when none does, one probe after

@@ -1,11 +1,13 @@
-"""The rollout's KV-cache figures per iteration, from the engine's cumulative counters (`Engine.stats`)."""
+"""The rollout's KV-cache and speculation figures per iteration, from the engine's cumulative counters
+(`Engine.stats`)."""
 from __future__ import annotations
 
 
 def cache_metrics(before: dict[str, float], after: dict[str, float], computed: int) -> dict[str, float]:
     """The iteration's KV-cache figures from two `Engine.stats()` readings: prefix hits (tokens,
     stale ones, and `prefix_hit_frac` = hit / (hit + computed) tokens of KV), host-tier pages written
-    back and prefetched, and the host pool's bytes at the end."""
+    back and prefetched, the host pool's bytes at the end; with speculative decoding the tokens
+    proposed and kept, the verifications and `spec_acceptance` = kept / proposed."""
     out: dict[str, float] = {}
     for key in ("prefix_hit_tokens", "prefix_stale_hit_tokens", "host_pages_written_back", "host_pages_prefetched"):
         if key in after:
@@ -15,4 +17,8 @@ def cache_metrics(before: dict[str, float], after: dict[str, float], computed: i
         out["prefix_hit_frac"] = out["prefix_hit_tokens"] / max(1.0, out["prefix_hit_tokens"] + computed)
     if "host_pool_bytes" in after:
         out["host_pool_bytes"] = float(after["host_pool_bytes"])
+    if "spec_proposed" in after:  # speculative decoding: tokens proposed and kept, verifications
+        for key in ("spec_proposed", "spec_accepted", "spec_verifications"):
+            out[key] = float(after[key] - before.get(key, 0))
+        out["spec_acceptance"] = out["spec_accepted"] / max(1.0, out["spec_proposed"])
     return out

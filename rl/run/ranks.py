@@ -197,7 +197,7 @@ SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_car
                     "val/num_prompts", "val/num_samples", "val/reward_sum", "val/num_correct", "val/num_pass",
                     "val/mean_sum", "val/tokens", "val/errors", "env_calls", "env_retries", "env_timeouts",
                     "env_failures_scored", "env_busy_seconds", "engine_step_seconds", "env_wait_seconds",
-                    "env_stuck_calls"})
+                    "env_stuck_calls", "spec_proposed", "spec_accepted", "spec_verifications"})
 """Counts (an evaluation's raw sums included), and the trainer's loss (each rank's share of the
 globally normalised loss)."""
 MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped",
@@ -241,6 +241,8 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         elif key == "prefix_hit_frac":  # hit / (hit + computed) tokens of KV, over every rank's engine
             hits = sum(m["prefix_hit_tokens"] for m in have)
             out[key] = hits / max(1.0, hits + sum(m["kv_computed_tokens"] for m in have))
+        elif key == "spec_acceptance":  # kept / proposed tokens, over every rank's engine
+            out[key] = sum(m["spec_accepted"] for m in have) / max(1.0, sum(m["spec_proposed"] for m in have))
         elif _val_ratio(key) is not None:
             num, den = _val_ratio(key)
             total = sum(m[den] for m in have)

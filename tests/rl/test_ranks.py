@@ -79,11 +79,20 @@ def test_the_kv_cache_metrics_merge_over_ranks():
     assert out["prefix_hit_frac"] == 40.0 / 200.0 and out["host_pool_bytes"] == 8.0 and out["ref_stream_s"] == 2.0
 
 
+def test_the_speculation_metrics_merge_over_ranks():
+    """Acceptance over all ranks is kept / proposed tokens summed, not the mean of the ranks' rates."""
+    a = {"spec_proposed": 100.0, "spec_accepted": 80.0, "spec_verifications": 30.0, "spec_acceptance": 0.8}
+    b = {"spec_proposed": 10.0, "spec_accepted": 0.0, "spec_verifications": 10.0, "spec_acceptance": 0.0}
+    out = merge_metrics([a, b])
+    assert out["spec_acceptance"] == 80.0 / 110.0 and out["spec_verifications"] == 40.0 and out["spec_proposed"] == 110.0
+
+
 def test_every_metric_a_run_with_every_mechanism_logs_has_a_merge_rule(tmp_path):
     """The default experiment's mechanisms (prefix cache, host pool, spill, streamed reference,
-    partial rollouts): a metric without a rule would stop every multi-rank run at its first merge."""
+    partial rollouts, and speculative decoding): a metric without a rule would stop every multi-rank run
+    at its first merge."""
     history = run(composed(f"run_dir={tmp_path}", "experiment=cpu_demo", "experiment.iterations=3",
-                           "warmup.steps=0", "tracking.wandb_mode=disabled",
+                           "engine.speculative=ngram", "warmup.steps=0", "tracking.wandb_mode=disabled",
                            "tracking.progress=false", "tracking.plots=false"))
     after_merge = {"groups_trained", "reward_mean", "reward_correct_frac", "engine_checksum",
                    *ROLLOUT_STATISTICS}  # global already
@@ -91,6 +100,7 @@ def test_every_metric_a_run_with_every_mechanism_logs_has_a_merge_rule(tmp_path)
         merged = {k: v for k, v in metrics.items() if k not in after_merge}
         assert merge_metrics([merged, merged]).keys() == merged.keys()
     assert any("prefix_hit_tokens" in m and "loss" in m for m in history)
+    assert all("spec_acceptance" in m for m in history)
 
 
 def _driver(rank: int, world: int) -> RolloutDriver:
