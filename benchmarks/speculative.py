@@ -6,7 +6,8 @@ key_lookup (call the key, read the value, answer it), side by side in one run.
 
 For each task the tiny model (configs/model/tiny.yaml) first imitates the task's demonstrations
 (`--warmup-steps` AdamW steps on whole demonstrated episodes: a stand-in for the policy of an RL run some
-way in, which answers in the task's format as these do), then one rollout iteration (`--groups` x
+way in, which answers in the task's format as these do; `--policy DIR` takes an RL run's checkpoint for the
+agentic workload instead), then one rollout iteration (`--groups` x
 `--group-size` trajectories, the RL driver with its environments; tool calls in the sandbox, inline so that
 all engines run the same steps and engine time holds no waiting) runs on fresh engines with the same
 weights and the presets' engine settings (pool_mb 16, prefix cache with hash blocks of 4): plain decoding,
@@ -31,6 +32,7 @@ import time
 import torch
 
 from benchmarks import parse_args
+from models.checkpoint import load_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
@@ -180,13 +182,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=200)
+    p.add_argument("--policy", default=None, help="the agentic workload's policy: a checkpoint directory of an "
+                   "RL run (run_dir/checkpoints/iter_N) instead of the warm-up")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--draws", type=int, default=6000)
     args = parse_args(p, argv, {"groups": 2, "group_size": 4, "warmup_steps": 4, "repeats": 1, "draws": 600})
     figures: dict[str, dict[str, float]] = {}
     for workload, (task, max_new) in TASKS.items():
-        model = warmed_model(task, args.warmup_steps, seed=0)
+        if workload == "agentic" and args.policy is not None:  # an RL run's policy (its checkpoint directory)
+            model = load_checkpoint(args.policy).eval()
+        else:
+            model = warmed_model(task, args.warmup_steps, seed=0)
         figures[workload] = compare(model, task, max_new, args)
         f = figures[workload]
         print(f"{workload} ({task}): plain {f['off_tok_s']:.0f} tok/s ({f['off_steps']} steps), ngram "

@@ -321,3 +321,31 @@ def test_the_entropy_sum_counts_the_emitted_tokens_only(tiny_model, plain):
         sums.append((engine.entropy_sum, engine.num_generated, out.samples[0].tokens))
     assert sums[0][1:] == sums[1][1:] and sums[1][1] == want[0].tokens.index(stop) + 1
     assert sums[1][0] == pytest.approx(sums[0][0], rel=1e-5)
+
+
+def test_the_length_that_pays_grows_with_acceptance_and_shrinks_with_the_batch(tiny_model):
+    """`worth`: the proposals verified only while their expected saving exceeds their rows and a
+    verification's bookkeeping; every proposal when rows are free."""
+    spec = engine_for(tiny_model, "ngram", num_speculative_tokens=6).speculator
+    assert [spec.worth(a, 16) for a in (0.1, 0.3, 0.6, 0.9, 0.99)] == sorted(spec.worth(a, 16) for a in
+                                                                          (0.1, 0.3, 0.6, 0.9, 0.99))
+    assert spec.worth(0.1, 16) == 0 and spec.worth(0.99, 1) == 6
+    assert spec.worth(0.7, 1) > spec.worth(0.7, 64) and spec.worth(0.3, 256) == 0
+    spec.row_cost = 0.0
+    assert spec.worth(0.01, 256) == 6
+
+
+def test_speculation_switches_itself_off_where_it_does_not_pay(tiny_model, plain):
+    """Proposals always wrong: the adaptive rule stops verifying after a few rejections (then probes one
+    proposal now and then), where verifying every proposal pays a verification every step; the output
+    is plain decoding's either way."""
+    batch, want, _ = plain
+    expected = {tuple(p): s.tokens for p, s in zip(batch, want)}
+    counts = {}
+    for row_cost in (0.016, 0.0):
+        engine = engine_for(tiny_model, "ngram", speculative_row_cost=row_cost)
+        engine.speculator.proposer = Oracle(expected, wrong=True)
+        got = generate(engine, batch)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        counts[row_cost] = engine.speculator.num_verifications
+    assert counts[0.0] >= len(batch) * (GREEDY.max_new_tokens - 2) and counts[0.016] <= counts[0.0] // 4, counts
