@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from models.checkpoint import load_checkpoint
+from models.config import load_model_config
 from models.model import HybridLM
 from models.state import SequenceState
+from rollout.engine_config import EngineConfig
 from rollout.proposers import Proposal, Proposer
 from rollout.request import Sequence
 from rollout.sampling import truncate_rows
@@ -136,3 +140,23 @@ class DraftProposer(Proposer):
 
     def clear(self) -> None:
         self._seqs.clear()
+
+
+def draft_proposer(config: EngineConfig, target: HybridLM, draft: HybridLM | None, seed: int) -> DraftProposer | None:
+    """The proposer of speculative=draft (None otherwise): `draft` if given, else the model `config.draft_model`
+    names (a checkpoint directory, or a model config YAML initialised with `seed`), on the target's device."""
+    if config.speculative != "draft":
+        return None
+    if draft is None:
+        if config.draft_model is None:
+            raise ValueError("speculative=draft needs a draft model: engine.draft_model=<checkpoint directory> "
+                             "(or Engine(..., draft=model))")
+        path = Path(config.draft_model)
+        if path.is_dir():
+            draft = load_checkpoint(path)
+        elif path.suffix in (".yaml", ".yml") and path.is_file():
+            draft = HybridLM(load_model_config(path)).init_weights(seed=seed)
+        else:
+            raise ValueError(f"draft_model={str(path)!r} is neither a checkpoint directory nor a model config YAML")
+    draft = draft.to(next(target.parameters()).device)
+    return DraftProposer(draft, target.config.vocab_size)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from pathlib import Path
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -31,10 +30,7 @@ from memory.nvme_store import NvmeStore
 from memory.page_pool import OutOfPages, PagePool
 from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
-from models.checkpoint import load_checkpoint
-from models.config import load_model_config
 from rollout.cache_manager import CacheManager
-from rollout.draft import DraftProposer
 from rollout.engine_config import ContextTooLong, EngineConfig
 from rollout.kv_eviction import KVEvictor
 from rollout.lockstep import Lockstep
@@ -103,10 +99,7 @@ class Engine:
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
         self.lockstep = Lockstep(model)  # expert parallelism: every step is the expert-parallel group's
-        self.speculator = (Speculator(self.cache, config.num_speculative_tokens, config.ngram_min, config.ngram_max,
-                                      config.max_num_batched_tokens, config.max_model_len,
-                                      config.speculative_row_cost, proposer=self._draft_proposer(draft))
-                           if config.speculative != "off" else None)
+        self.speculator = Speculator.build(self.cache, config, model, draft, seed)  # None: speculative=off
         longest = config.longest_kv_tokens
         max_pages = self.cache.pages_for_tokens(longest)  # a KV budget caps what one sequence holds
         if max_pages > self.pool.num_pages:
@@ -125,25 +118,6 @@ class Engine:
         """Tokens sampled since the engine was built (all requests)."""
         self.entropy_sum = 0.0  # of the sampling distributions (nats) over those tokens (rollout/sampling.py)
         self.peak_pages_used = 0
-
-    def _draft_proposer(self, draft: HybridLM | None) -> DraftProposer | None:
-        """speculative=draft: the draft model given, or the one `config.draft_model` names."""
-        if self.config.speculative != "draft":
-            return None
-        if draft is None:
-            if self.config.draft_model is None:
-                raise ValueError("speculative=draft needs a draft model: engine.draft_model=<checkpoint directory> "
-                                 "(or Engine(..., draft=model))")
-            path = Path(self.config.draft_model)
-            if path.is_dir():
-                draft = load_checkpoint(path)
-            elif path.suffix in (".yaml", ".yml") and path.is_file():
-                draft = HybridLM(load_model_config(path)).init_weights(seed=self.seed)
-            else:
-                raise ValueError(f"draft_model={str(path)!r} is neither a checkpoint directory nor a model config "
-                                 f"YAML")
-        draft = draft.to(next(self.model.parameters()).device)
-        return DraftProposer(draft, self.model.config.vocab_size)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -243,8 +217,7 @@ class Engine:
         `pool_utilization` counts every used page, those only the prefix cache holds included
         (`cache.num_evictable_pages` counts those: a walk over the cache, not done every step; the
         dispatcher's `signals()` counts them free above its watermark and reserves each sequence's
-        resume point, docs/rollout.md). Plus the cache's counters (`CacheManager.stats`) and, with
-        speculative decoding, its counters (proposed, accepted tokens; verifications)."""
+        resume point, docs/rollout.md). Plus the cache's and the speculator's counters."""
         sched = self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "paused": len(sched.paused),
                 "pool_pages": self.pool.num_pages, "pool_pages_used": self.pool.num_used,
@@ -253,15 +226,7 @@ class Engine:
                 "preemptions": sched.num_preemptions, "swapped_out": sched.num_swapped_out,
                 "swapped_in": sched.num_swapped_in, "recomputed": sched.num_recomputed,
                 "steps": self.num_steps, "policy_version": self.policy_version,
-                **self.cache.stats(), **self._speculation_stats()}
-
-    def _speculation_stats(self) -> dict[str, float]:
-        """With speculative decoding: tokens proposed and kept and verifications since the engine was built."""
-        spec = self.speculator
-        if spec is None:
-            return {}
-        return {"spec_proposed": spec.num_proposed, "spec_accepted": spec.num_accepted,
-                "spec_verifications": spec.num_verifications}
+                **self.cache.stats(), **(self.speculator.stats() if self.speculator is not None else {})}
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

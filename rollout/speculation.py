@@ -38,7 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from memory.page_pool import OutOfPages
+from models.model import HybridLM
 from rollout.cache_manager import CacheManager
+from rollout.draft import draft_proposer
+from rollout.engine_config import EngineConfig
 from rollout.proposers import NgramProposer, Proposer
 from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
@@ -134,6 +137,16 @@ class Speculator:
         self.num_verifications = 0
         self.num_probes = 0
 
+    @classmethod
+    def build(cls, cache: CacheManager, config: EngineConfig, target: HybridLM, draft: HybridLM | None,
+              seed: int) -> Speculator | None:
+        """The engine's speculator for `config` (None with speculative=off); `draft` as `draft_proposer`."""
+        if config.speculative == "off":
+            return None
+        return cls(cache, config.num_speculative_tokens, config.ngram_min, config.ngram_max,
+                   config.max_num_batched_tokens, config.max_model_len, config.speculative_row_cost,
+                   proposer=draft_proposer(config, target, draft, seed))
+
     def acceptance_estimate(self, seq: Sequence, kind: str) -> float:
         """The chance that `seq`'s next proposal of `kind` is kept: its own kept / (kept + rejections),
         with PRIOR_WEIGHT pseudo-observations at the engine-wide rate of that kind (`kind_rate`): an
@@ -167,6 +180,11 @@ class Speculator:
             if total > best:
                 best_k, best = k, total
         return best_k
+
+    def stats(self) -> dict[str, float]:
+        """Tokens proposed and kept, and verifications, since the engine was built (`Engine.stats`)."""
+        return {"spec_proposed": self.num_proposed, "spec_accepted": self.num_accepted,
+                "spec_verifications": self.num_verifications}
 
     @property
     def acceptance_rate(self) -> float:

@@ -112,9 +112,9 @@ def test_pruned_sequences_register_nothing_and_shared_pages_survive(tiny_model):
     calls = []
     register = prefix.register
 
-    def watched(seq):
+    def watched(seq, *speculated):
         before = (dict(prefix.index.mla), {h: dict(g) for h, g in prefix.index.kda.items()})
-        register(seq)
+        register(seq, *speculated)
         after = (dict(prefix.index.mla), {h: dict(g) for h, g in prefix.index.kda.items()})
         calls.append((seq.kv_pruned, before != after))
 
