@@ -54,6 +54,8 @@ KEYS = {
               *(f"{k}_{d}" for d in ("fp32", "bf16") for k in ("device_bytes", "engine_s", "train_s")), "model"],
     "speculative": ["spec_vs_plain_tokens_per_s", "same_greedy_tokens", "logprob_max_abs_err", "acceptance_rate",
                     "distribution_test_pass", "key_lookup_spec_vs_plain_tokens_per_s", "key_lookup_acceptance_rate",
+                    "always_vs_plain_tokens_per_s", "always_acceptance_rate", "right_proposals_1seq_vs_plain",
+                    "right_proposals_16seq_vs_plain", "right_proposals_64seq_vs_plain",
                     "plain_tok_s", "spec_tok_s", "verifications"],
     "swap_preemption": ["extra_tokens_swap_vs_recompute", "tok_s_swap_vs_recompute"],
     "throttle": ["auto_vs_best_fixed", "auto_vs_worst_fixed", "preemptions_auto", "preemptions_best_fixed"],
