@@ -5,7 +5,9 @@ its length alone, but a KDA layer's state (and its short-conv tails) has absorbe
 by the end. So the step also writes, for each sequence that asks, the state and conv tails after each of
 its first n - 1 new tokens into pages of their own (`PagedStep.position_pages`); the state after all n goes
 to the sequence's page as always. Rolling back to the last accepted position is then choosing one page
-(the engine's speculation): no recompute, no copy.
+(the engine's speculation): no recompute, no copy. These writes serve verifications on the chunked
+prefill path (Triton); the CPU kernels run a verification decode-shaped instead, each token writing its
+own page as it goes (`PagedStep.chained_seqs`, kernels/kda/decode_tokens.py).
 """
 from __future__ import annotations
 

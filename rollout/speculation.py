@@ -135,7 +135,6 @@ class Speculator:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
-        self.num_probes = 0
 
     @classmethod
     def build(cls, cache: CacheManager, config: EngineConfig, target: HybridLM, draft: HybridLM | None,
@@ -270,7 +269,6 @@ class Speculator:
         self._step_probes += 1
         pace.misses += 1
         pace.probe_at = seq.num_generated + min(PROBE_AFTER * 2 ** pace.misses, MAX_BACKOFF)
-        self.num_probes += 1
         return 1
 
     def _position_pages(self, k: int) -> list[list[int]] | None:
