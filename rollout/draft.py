@@ -32,7 +32,7 @@ from models.state import SequenceState
 from rollout.engine_config import EngineConfig
 from rollout.proposers import Proposal, Proposer
 from rollout.request import Sequence
-from rollout.sampling import truncate_rows
+from rollout.spec_accept import draw_rows, sampler_probs_rows
 
 DRAFT_SEED_SALT = 0x5EED_D2AF
 """Mixed into a sequence's seed for its draft generator."""
@@ -113,18 +113,14 @@ class DraftProposer(Proposer):
         """One token per row at its sequence's sampling settings: (tokens, q [rows, vocab], the distribution
         drawn from: truncated and renormalised; one-hot at the argmax for greedy rows)."""
         params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
-        logp = torch.log_softmax(logits / temps, dim=-1)
-        q = torch.softmax(truncate_rows(logp, [p.top_k for p in params], [p.top_p for p in params]), dim=-1)
-        cdf = q.double().cumsum(dim=-1)  # [rows, vocab]
-        u = torch.stack([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [rows, 1]
-        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=q.shape[-1] - 1)
+        q, _ = sampler_probs_rows(logits, params)
+        drawn = draw_rows(q, [torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators])
         greedy = torch.tensor([p.temperature == 0 for p in params])
         if bool(greedy.any()):
             best = logits.argmax(dim=-1)
-            drawn = torch.where(greedy, best, drawn)
+            drawn = torch.where(greedy, best, torch.tensor(drawn)).tolist()
             q = torch.where(greedy[:, None], torch.nn.functional.one_hot(best, q.shape[-1]).float(), q)
-        return drawn.tolist(), q
+        return drawn, q
 
     def kind_of(self, seq: Sequence) -> str:
         return "draft"

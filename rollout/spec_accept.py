@@ -62,13 +62,23 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     return torch.softmax(kept, dim=-1), logp
 
 
+def sampler_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_probs` with settings per row: logits [R, vocab], params[r] row r's -> (p [R, vocab], logp
+    [R, vocab]). A greedy row's logp is the plain log softmax; its p is not the sampler's (greedy takes
+    the argmax): callers look at greedy rows' logits only."""
+    temps = torch.tensor([sp.temperature if sp.temperature > 0 else 1.0 for sp in params])[:, None]
+    logp = torch.log_softmax(logits.float() / temps, dim=-1)  # [R, vocab]
+    kept = truncate_rows(logp, [sp.top_k for sp in params], [sp.top_p for sp in params])
+    return torch.softmax(kept, dim=-1), logp
+
+
 def _draw(probs: torch.Tensor, u: float) -> int:
     """One token from `probs` [vocab] (need not sum to 1) by inverting its CDF at the uniform u; never a
     zero-probability token."""
-    return _draw_rows(probs[None], [u])[0]
+    return draw_rows(probs[None], [u])[0]
 
 
-def _draw_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+def draw_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """`_draw` of each row of probs [R, vocab] at its uniform."""
     cdf = probs.double().cumsum(dim=-1)  # [R, vocab]
     target = torch.tensor(uniforms, dtype=torch.float64) * cdf[:, -1]  # [R]
@@ -142,10 +152,7 @@ def accept_many(logits: torch.Tensor, proposals: list[list[int]], params: list[S
         raise ValueError(f"logits of {logits.shape[0]} rows for proposals needing {sum(counts)}")
     logits = logits.float()
     starts = [0, *itertools.accumulate(counts)][:-1]
-    temps = [sp.temperature if sp.temperature > 0 else 1.0 for sp, n in zip(params, counts) for _ in range(n)]
-    logp = torch.log_softmax(logits / torch.tensor(temps)[:, None], dim=-1)  # [R, vocab]: the reported logprobs
-    probs = torch.softmax(truncate_rows(logp, [sp.top_k for sp, n in zip(params, counts) for _ in range(n)],
-                                        [sp.top_p for sp, n in zip(params, counts) for _ in range(n)]), dim=-1)
+    probs, logp = sampler_probs_rows(logits, [sp for sp, n in zip(params, counts) for _ in range(n)])
     best = logits.argmax(dim=-1).tolist()
     proposal_rows = [s + j for s, prop in zip(starts, proposals) for j in range(len(prop))]
     proposed = [d for prop in proposals for d in prop]
@@ -177,7 +184,7 @@ def accept_many(logits: torch.Tensor, proposals: list[list[int]], params: list[S
         finals.append((i, kept, row if kept == k else residual(row, prop[kept], None if q is None else q[kept])))
         uniforms.append(u[-1])
     if finals:
-        drawn = _draw_rows(torch.stack([dist for _, _, dist in finals]), uniforms)
+        drawn = draw_rows(torch.stack([dist for _, _, dist in finals]), uniforms)
         for (i, _, _), token in zip(finals, drawn):
             tokens[i].append(token)
     rows = [s + j for s, toks in zip(starts, tokens) for j in range(len(toks))]

@@ -197,7 +197,7 @@ class Speculator:
         num_seqs = len(step.seqs)
         self._step_probes = 0
         best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
-        wanted: list[tuple[int, int]] = []  # (index into the step, proposals it may verify)
+        wanted: list[tuple[int, int, str | None]] = []  # (index into the step, proposals it may verify, kind if known)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             if budget <= 0:
                 break
@@ -208,16 +208,16 @@ class Speculator:
             elif room and not self._may_pay(seq, num_seqs, best_rate):
                 room = 0  # no kind pays here and no probe is due: not even a lookup
             if room > 0:
-                wanted.append((i, room))
+                wanted.append((i, room, kind))
                 budget -= room
         if not wanted:
             return None
-        proposals = self.proposer.propose_batch([step.seqs[i] for i, _ in wanted], [k for _, k in wanted])
+        proposals = self.proposer.propose_batch([step.seqs[i] for i, _, _ in wanted], [k for _, k, _ in wanted])
         plan = Verification([], [], [], [], [], [])
-        for (i, room), proposal in zip(wanted, proposals):
+        for (i, room, known), proposal in zip(wanted, proposals):
             seq = step.seqs[i]
             tokens = proposal.tokens[:room]
-            if tokens and self.proposer.kind_of(seq) is None:
+            if tokens and known is None:  # its kind is known only now: keep what pays
                 tokens = tokens[:self._paying(seq, proposal.kind, len(tokens), num_seqs)]
             if not tokens or not self.cache.grow(seq, 1 + len(tokens)):
                 continue
