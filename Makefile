@@ -11,6 +11,9 @@ export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
 export WANDB_MODE ?= offline
 export DS_BUILD_OPS := 0
 
+# The kernel path a bound between two computation orders depends on, printed beside each suite's duration.
+KERNEL_PATH := $(PY) -c "import torch; print(f'torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} intra-op threads')"
+
 .PHONY: run test test-slow install apt clean
 
 # The main job: a colocated RL run of the tiny model on CPU (experiment=cpu_demo, a few minutes).
@@ -20,15 +23,17 @@ run: apt $(STAMP)
 	$(PY) -m rl.train run_dir=runs/cpu_demo-$$(date +%Y%m%d-%H%M%S)
 
 # The suite without the tests marked slow (about 15 minutes alone on a 2-core host); `make test-slow` runs
-# those (multi-process runs, kills, the benchmarks' quick runs: about 10 more); CI runs both. Each prints
-# its duration.
+# those (multi-process runs, kills, the benchmarks' quick runs: about 14 more), then the tests marked
+# numerics again under the CPU kernel paths other hosts take (tools/numerics_paths.sh: ~12 more); CI runs
+# both. Each prints its duration and this host's kernel path.
 test: apt $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -m "not slow" --durations=20; rc=$$?; \
-	  echo "make test: $$(( $$(date +%s) - start )) s, exit $$rc"; exit $$rc
+	  echo "make test: $$(( $$(date +%s) - start )) s, exit $$rc ($$($(KERNEL_PATH)))"; exit $$rc
 
 test-slow: apt $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -m slow --durations=10; rc=$$?; \
-	  echo "make test-slow: $$(( $$(date +%s) - start )) s, exit $$rc"; exit $$rc
+	  bash tools/numerics_paths.sh $(PY); paths=$$?; [ $$rc = 0 ] && rc=$$paths; \
+	  echo "make test-slow: $$(( $$(date +%s) - start )) s, exit $$rc ($$($(KERNEL_PATH)))"; exit $$rc
 
 install: $(STAMP)
 

@@ -11,3 +11,20 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def kernel_path() -> str:
+    """The CPU kernel path this process runs: what a bound between two computation orders depends on."""
+    import os as _os
+
+    extra = " ".join(f"{k}={_os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in _os.environ)
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} intra-op "
+            f"threads" + (f", {extra}" if extra else ""))
+
+
+def pytest_report_header(config):
+    return kernel_path()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"kernel path: {kernel_path()}")

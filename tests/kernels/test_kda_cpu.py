@@ -10,7 +10,8 @@ from models.config import load_model_config
 from models.kda import KDALayer
 from tests.kernels.test_kda_decode import make_pool, make_step, rel_err, touched_mask
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU kernels")
+# CPU kernels; they compare two computation orders, so they run under every CPU kernel path (make test-slow)
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU kernels"), pytest.mark.numerics]
 
 
 @pytest.mark.parametrize("strong_decay", [True, False])

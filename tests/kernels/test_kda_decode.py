@@ -10,6 +10,8 @@ from kernels.impl import IMPLS
 from kernels.kda.decode import kda_decode_step
 from kernels.kda.naive import naive_recurrent_kda
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TOL = 1e-5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

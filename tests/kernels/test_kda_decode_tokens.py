@@ -9,7 +9,8 @@ from kernels.kda.decode import kda_decode_step
 from kernels.kda.decode_tokens import kda_decode_tokens
 from tests.kernels.test_kda_decode import rel_err
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU kernels")
+# CPU kernels; they compare two computation orders, so they run under every CPU kernel path (make test-slow)
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU kernels"), pytest.mark.numerics]
 
 H, D, KK, P = 3, 5, 4, 23
 STATE_NUMEL, TAIL_NUMEL = H * D * D, H * 3 * (KK - 1) * D

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TOL = 1e-5
 
 

@@ -4,6 +4,9 @@ import torch
 
 from kernels.kda.naive import naive_recurrent_kda
 from kernels.kda.recurrent import recurrent_kda, recurrent_kda_states
+from tests.bounds import scaled_err
+
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
 
 
 def inputs(B, T, H, K, V, seed):
@@ -24,8 +27,9 @@ def test_matches_reference(B, T, H, K, V, with_state):
     before = None if init is None else init.clone()
     o, final = recurrent_kda(q, k, v, g, beta, initial_state=init, scale=0.3)
     o_ref, final_ref, _ = naive_recurrent_kda(q, k, v, g, beta, initial_state=init, scale=0.3)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-6)
+    # batched ops vs the reference's per-head loop: the same recurrence summed in other orders, so the bound is
+    # relative to each output's largest entry (1e-5, ~100 fp32 ulps)
+    assert scaled_err(o, o_ref) <= 1e-5 and scaled_err(final, final_ref) <= 1e-5
     if init is not None:
         assert torch.equal(init, before), "initial_state was mutated"
 
@@ -45,9 +49,8 @@ def test_states_at_positions_match_the_references(positions):
     o, final, kept = recurrent_kda_states(q, k, v, g, beta, initial_state=init, state_positions=positions)
     o_ref, final_ref, kept_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=init, state_positions=positions)
     assert kept.shape == (3, len(positions), 2, 8, 6)
-    torch.testing.assert_close(kept, kept_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-6)
+    assert scaled_err(kept, kept_ref) <= 1e-5  # other summation orders, as above
+    assert scaled_err(o, o_ref) <= 1e-5 and scaled_err(final, final_ref) <= 1e-5
     if 0 in positions:
         assert torch.equal(kept[:, 0], init)
     with pytest.raises(ValueError, match="strictly increasing"):

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from kernels.mla.naive import naive_mla_attention, naive_mla_attention_absorbed
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TOL = 1e-5
 FORMS = [naive_mla_attention, naive_mla_attention_absorbed]
 

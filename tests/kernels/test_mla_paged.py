@@ -10,6 +10,8 @@ from kernels.impl import IMPLS, check_impl, default_impl
 from kernels.mla.naive import naive_mla_attention_absorbed
 from kernels.mla.paged import paged_mla_decode
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TOL = 1e-5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

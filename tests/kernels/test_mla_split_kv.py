@@ -12,6 +12,8 @@ from kernels.mla.split_kv import (BLOCK_N, MAX_GRID_X, combine_grid, combine_spl
                                   combine_splits_triton, decode_grid, granule, head_tile, plan_splits)
 from tests.kernels.test_mla_paged import rel_err
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 FOUR_M = 4 * 1024 * 1024 + 17  # past 4M tokens, not a multiple of anything
 
 

@@ -12,6 +12,8 @@ from kernels.mla.split_kv import MAX_GRID_X, MAX_GRID_YZ
 from kernels.mla.weights import dense_attention, merge_attention, paged_mla_weights, weights_grid
 from tests.kernels.test_mla_paged import make_paged, rel_err
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 
 TOKENS_4M = 4 * 1024 * 1024 + 17
 

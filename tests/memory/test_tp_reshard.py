@@ -15,6 +15,9 @@ from memory.tp_reshard import ByteCopy, plan, reshard_pages, reshard_pool_pages
 from models.config import load_model_config
 from models.kda import l2norm
 from models.model import HybridLM
+from tests.bounds import scaled_err
+
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
 
 TINY = load_model_config("configs/model/tiny.yaml")  # 2 KDA heads, 4 MLA query heads
 TINY4 = dataclasses.replace(TINY, linear_num_heads=4)  # 4 KDA heads: splits over TP 1, 2 and 4
@@ -242,14 +245,16 @@ def test_attention_on_resharded_pages_equals_tp_1(prefilled, tp):
             outputs = [_kda_rank_decode(layer, pool, ids["kda"][g], index, mixed, decay, beta,
                                         slice(pool.layout.rank_heads(r).start, pool.layout.rank_heads(r).stop))
                        for r, (pool, ids) in enumerate(ranks)]
-            assert (torch.cat(outputs, dim=1) - reference).abs().max() <= 1e-6, (tp, index)
+            # each rank's heads run as a smaller batch of the same recurrence (other SIMD blocking): 1e-5 of scale
+            assert scaled_err(torch.cat(outputs, dim=1), reference) <= 1e-5, (tp, index)
     gathered, gathered_ids = sentinel_pool(layout1, num_decoys=3)
     reshard_pool_pages("kda", [p for p, _ in ranks], [i["kda"] for _, i in ranks], [gathered], [gathered_ids["kda"]])
     for g, layers in enumerate(layout1.kda_groups):
         for index in layers:
             mine = gathered.read_kda_state(gathered_ids["kda"][g], index)
             ref = ref_pool.read_kda_state(ref_ids["kda"][g], index)
-            assert (mine.recurrent - ref.recurrent).abs().max() <= 1e-6 and torch.equal(mine.conv_tail, ref.conv_tail)
+            # the conv tails are copies (equal by construction); the states went through the rank steps above
+            assert scaled_err(mine.recurrent, ref.recurrent) <= 1e-5 and torch.equal(mine.conv_tail, ref.conv_tail)
 
     heads_per_rank = TINY4.num_attention_heads // tp
     for index in layout1.mla_groups[0]:
@@ -266,7 +271,7 @@ def test_attention_on_resharded_pages_equals_tp_1(prefilled, tp):
         reference = attend(pool1, ids1, slice(None))
         outputs = [attend(pool, ids, slice(r * heads_per_rank, (r + 1) * heads_per_rank))
                    for r, (pool, ids) in enumerate(ranks)]
-        assert (torch.cat(outputs, dim=1) - reference).abs().max() <= 1e-6, (tp, index)
+        assert scaled_err(torch.cat(outputs, dim=1), reference) <= 1e-5, (tp, index)  # per-head sums, batched otherwise
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

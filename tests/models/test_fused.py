@@ -1,8 +1,11 @@
 """Fused inference projections (models/fused.py) against the separate modules they replace."""
+import pytest
 import torch
 
 from models.config import load_model_config
 from models.model import HybridLM
+
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
 
 
 def tiny(seed: int = 0) -> HybridLM:

@@ -5,6 +5,8 @@ import torch
 from models.checkpoint import load_checkpoint
 from tests.models.conftest import rel_err
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TOL = 1e-5
 
 

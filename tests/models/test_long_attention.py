@@ -23,6 +23,8 @@ from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
 from rl.plan.activation import SavedTensorMeter
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 TINY = "configs/model/tiny.yaml"
 
 

@@ -13,6 +13,8 @@ from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

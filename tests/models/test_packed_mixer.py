@@ -6,6 +6,8 @@ from models.config import load_model_config
 from models.model import HybridLM, PackedMixer, StateMixer
 from models.state import SegmentBatch
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 
 @pytest.mark.parametrize("lens, max_scores", [([1], 1 << 22), ([5, 1, 9], 1 << 22), ([17, 3, 40, 2], 1 << 22),
                                               ([17, 3, 40, 2, 16, 15], 600)])

@@ -18,6 +18,8 @@ from models.mla import MLALayer
 from models.paged import PagedCaches, PagedMixer, PagedStep, _Bucket, _pad
 from models.state import SegmentBatch
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 MLA_INDEX = 3  # an MLA layer index of the tiny config
 
 

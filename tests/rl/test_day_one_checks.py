@@ -81,6 +81,7 @@ def test_rollout_statistics_by_hand():
     assert figures["response_length/clip_frac"] == 0.25 and figures["prompt_length/mean"] == 8
     assert figures["reward/std"] == pytest.approx(0.3535534, rel=1e-6)  # rewards 1, 0, .5, .5
     assert figures["groups_zero_std_frac"] == 0.5  # group 1's members scored alike
+    # a group's advantages sum to zero by construction; 1e-6 is relative to their unit scale (std ~1)
     assert figures["advantage/mean"] == pytest.approx(0.0, abs=1e-6) and figures["advantage/std"] > 0
 
 

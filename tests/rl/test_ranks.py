@@ -18,6 +18,8 @@ from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import composed
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 
 def test_one_process_ranks_are_plain_calls():
     ranks = Ranks()

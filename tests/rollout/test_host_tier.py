@@ -16,6 +16,7 @@ from rollout.page_loc import Loc
 from rollout.prefix_cache import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.test_prefix_cache import HB, make_verifier, run, uncached
+from tests.bounds import LOGPROB_TOL
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
@@ -99,8 +100,8 @@ def test_offload_then_prefetch_is_bit_identical_and_decodes_exactly(tiny_model):
         assert torch.equal(engine.pool.read_pages([p])[0], before[identity(engine, Loc.device(p))])
     (expected,) = uncached(tiny_model).generate([b], GREEDY)
     assert out.samples[0].tokens == expected.samples[0].tokens
-    assert torch.allclose(torch.tensor(out.samples[0].logprobs), torch.tensor(expected.samples[0].logprobs),
-                          rtol=1e-5, atol=1e-6)
+    # the cached run computes the prompt in other chunks than the uncached one: logprobs within rounding
+    assert out.samples[0].logprobs == pytest.approx(expected.samples[0].logprobs, **LOGPROB_TOL)
 
 
 def test_write_through_copies_at_registration_write_back_only_on_eviction(tiny_model):

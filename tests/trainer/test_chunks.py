@@ -10,6 +10,8 @@ from models.model import HybridLM
 from tests.trainer.plain import plain_packed_logprobs
 from trainer.chunks import ChunkedModel, chunk_specs, split_chunks, unit_numels
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

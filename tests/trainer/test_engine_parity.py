@@ -1,4 +1,5 @@
 """The trainer's logprobs of engine-generated trajectories equal what the engine returned."""
+import pytest
 import torch
 
 from models.config import load_model_config
@@ -6,6 +7,8 @@ from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 from trainer.chunks import ChunkedModel
+
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
 
 
 def trainer_and_engine_logprobs(model: HybridLM) -> tuple[torch.Tensor, torch.Tensor]:

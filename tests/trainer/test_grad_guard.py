@@ -17,6 +17,8 @@ from tests.trainer.test_step import reference_step as plain_step
 from trainer.optimizer import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, eps=1e-2, backend="torch")
 MAX_NORM = 0.05
 INJECTED = "model.layers.1.self_attn.o_proj.weight"

@@ -15,6 +15,8 @@ from models.state import SegmentBatch
 from tests.trainer.test_step import OPT, make_batch, make_model, rel_err
 from trainer.step import Trainer, TrainerConfig, micro_batches
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 BF16 = torch.bfloat16
 
 

@@ -9,6 +9,8 @@ from models.model import HybridLM
 from trainer.optimizer import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
+pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
+
 # eps 1e-4, not AdamW's 1e-8: the first step moves a weight by lr * g / (|g| + eps), so where |g| ~ eps
 # the fp32 rounding of summing a gradient's terms in another order (DP ranks), ~3e-8 absolute for an
 # embedding row that collects many tokens, is amplified by lr / eps. Seen with eps=1e-8: an entry with
