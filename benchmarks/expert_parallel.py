@@ -63,9 +63,9 @@ def measure(model, ranks: int, rank: int, new_tokens: int) -> dict:
     """Logits, one train step on this rank's share (sequences and prompts round robin), greedy
     tokens twice (the second pass hits the prefix cache) and the bytes held."""
     from rollout.engine import Engine, EngineConfig
-    from rollout.prefix_config import PrefixCacheConfig
+    from rollout.kv import PrefixCacheConfig
     from rollout.sampling import SamplingParams
-    from trainer.optimizer import OptimizerConfig
+    from trainer.host_adam import OptimizerConfig
     from trainer.step import Trainer, TrainerConfig
 
     lens, tokens, targets = batch()
@@ -124,7 +124,7 @@ def _rss(field: str) -> int:
 def startup_child(checkpoint: str, expert: int) -> None:
     """Materialise the policy from `checkpoint` as rank 0 of `expert` would (1: the whole model), print JSON."""
     from models.expert_parallel import ExpertParallel
-    from rl.config import compose_run_config
+    from rl.config.compose import compose_run_config
     from rl.run.build import initial_policy
 
     os.environ["WORLD_SIZE"] = str(expert)  # the composition checks parallel.expert against it
@@ -164,7 +164,7 @@ def startup(tmp: Path) -> dict[str, float]:
 def planner_errors(measured: dict[int, dict]) -> float:
     """Max relative error of the planner's per-rank weights, gradient slots, host masters and
     moments against the measured ones at parallel.expert 1 and 2."""
-    from rl.config import compose_run_config
+    from rl.config.compose import compose_run_config
     from rl.plan.cluster import ClusterConfig, PlanOptions
     from rl.plan.model import plan_sizes
 

@@ -26,7 +26,7 @@ from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.kv_eviction import KVBudgetConfig
+from rollout.kv import KVBudgetConfig
 from rollout.sampling import SamplingParams
 
 BLOCK_TOKENS = 16

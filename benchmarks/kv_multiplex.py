@@ -27,7 +27,7 @@ from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore, NvmeStoreConfig
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from trainer.step import Trainer, TrainerConfig
 

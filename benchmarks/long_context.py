@@ -38,9 +38,9 @@ from benchmarks.train_step import SavedTensorMeter
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
 TINY = "configs/model/tiny.yaml"

@@ -24,7 +24,7 @@ from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 
 

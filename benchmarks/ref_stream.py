@@ -40,7 +40,7 @@ from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM
 from trainer.chunks import ChunkedModel
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer, TrainerConfig
 

@@ -47,7 +47,8 @@ import torch
 from benchmarks.moe import measure as measure_moe
 from benchmarks.train_step import SavedTensorMeter
 from models.config import ModelConfig, load_model_config
-from rl.config import RunConfig, compose_run_config
+from rl.config import RunConfig
+from rl.config.compose import compose_run_config
 from rl.plan.cluster import ClusterConfig, PlanOptions
 from rl.plan.model import plan_sizes
 from rl.run.build import build

@@ -42,10 +42,9 @@ from rl.episodes.env_runner import EnvConfig
 from rl.envs.tools.python_exec import close_sandboxes
 from rl.run.warmup import demo_tokens
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
-from rollout.proposers import Proposer
+from rollout.kv import PrefixCacheConfig
+from rollout.speculative import Proposer, accept
 from rollout.sampling import SamplingParams
-from rollout.spec_accept import accept
 
 TASKS = {"agentic": ("tool_arith", 12), "key_lookup": ("key_lookup", 2)}
 """Workload -> (task, max_new_tokens per turn: the task's answer length)."""

@@ -26,7 +26,7 @@ from models.config import load_model_config
 from models.model import HybridLM
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 
 

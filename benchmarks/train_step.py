@@ -33,7 +33,7 @@ from benchmarks import parse_args
 from models.config import load_model_config
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
 

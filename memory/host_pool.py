@@ -3,20 +3,20 @@
 `HostPagePool` is a byte store: one uint8 buffer [num_pages, page_bytes] in host memory (pinned
 when the device pool is on a GPU, so copies can run asynchronously), a free list, and a group tag
 per used page so a page only ever goes back to a device page of its own cache group. It knows
-nothing of prefixes: the prefix cache (rollout/prefix_cache.py) decides what to write back, what to
+nothing of prefixes: the prefix cache (rollout/kv/prefix_cache.py) decides what to write back, what to
 prefetch and what to drop, and calls `store` (device -> host) and `load` (host -> device).
 Its bytes are leased from the host-DRAM ledger (`memory/host_ledger.py`) before the buffer is
 allocated and returned by `close()`, so an oversized pool is a clear error, not an OOM kill.
 
 Lifecycle (host DRAM is time-multiplexed): a pool may give its buffer and lease back between rollouts
 (`suspend`) and take a new lease, of any size holding its used slots, at the next one (`resume`);
-the books (tags, free list) stay, the bytes do not: rollout/host_spill.py writes the live slots to
+the books (tags, free list) stay, the bytes do not: rollout/kv/host_spill.py writes the live slots to
 NVMe first and reads them back after. `unleased` builds a pool that starts suspended with no page
 (`engine.host_pool_mb=auto`: sized at each rollout from what the ledger has free).
 
 Copies (memory/host_copies.py): `store` and `load` return a `CopyTicket`; on a CUDA pool they run
 on a side stream, non-blocking, straight between the pinned buffer and the device. The device-side
-reader of loaded pages waits on the ticket (`wait_device`, rollout/page_copies.py does); host-side
+reader of loaded pages waits on the ticket (`wait_device`, rollout/kv/page_copies.py does); host-side
 readers of the buffer (`page_bytes_view`, `buffer_rows`) and `suspend`/`close` wait here.
 `sync_copies=True` switches to the plain synchronous reference path.
 
@@ -92,7 +92,7 @@ class HostPagePool(PoolFigures):
     def suspend(self) -> None:
         """Free the buffer and return its bytes to the ledger, keeping the books: used slots keep their
         ids and group tags, their bytes are gone (the caller saved what it keeps, e.g. to NVMe through
-        rollout/host_spill.py). Nothing may be allocated, stored or loaded until `resume`."""
+        rollout/kv/host_spill.py). Nothing may be allocated, stored or loaded until `resume`."""
         self._check_open()
         if self._suspended:
             return

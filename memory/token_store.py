@@ -3,7 +3,7 @@
 `HostTokenStore` is a fixed-capacity slab in host memory, [capacity, *row_shape] of one dtype
 (pinned when the device is a GPU, so fetches can run asynchronously), plus a free list. One row
 is one token's cache entry for every MLA layer ([num_mla_layers, latent_dim]). Token eviction
-(rollout/kv_eviction.py) decides what goes out and what comes back; this class only moves rows:
+(rollout/kv/kv_eviction.py) decides what goes out and what comes back; this class only moves rows:
 `store(rows) -> ids` (device -> host), `load(ids) -> rows` (host -> device), `free(ids)`.
 Its bytes are leased from the host-DRAM ledger before the slab is allocated (memory/host_ledger.py).
 

@@ -80,7 +80,7 @@ class PagedCaches:
 
 
 class KVObserver(Protocol):
-    """What token eviction (rollout/kv_eviction.py) hooks into the MLA layers of one step.
+    """What token eviction (rollout/kv/kv_eviction.py) hooks into the MLA layers of one step.
 
     `seqs` are indices into the step's sequences. Slots are the sequence's compacted KV slots
     (`PagedStep.kv_starts`), not token positions."""

@@ -3,7 +3,7 @@
 import sys
 
 from models.tokenizer import load_tokenizer
-from rl.config import compose_run_config
+from rl.config.compose import compose_run_config
 from rl.config.checks import check_tokenizer
 from rl.envs.data import LABEL, PROMPT, load_rows
 from rl.envs.tasks import make_task

@@ -29,7 +29,8 @@ from memory.durable import write_durable
 from models.checkpoint import load_checkpoint
 from models.tokenizer import load_tokenizer
 from rl.run.checkpoint import RUN_CONFIG, checkpoint_info
-from rl.config import RunConfig, to_run_config, writable
+from rl.config import RunConfig
+from rl.config.compose import to_run_config, writable
 from rl.envs.data import load_rows
 from rl.episodes.env_runner import EnvRunner
 from rl.episodes.runner import render_prompt

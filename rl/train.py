@@ -21,7 +21,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from rl.config import RunConfig, compose_run_config, register_configs, to_run_config
+from rl.config import RunConfig
+from rl.config.compose import compose_run_config, register_configs, to_run_config
 from rl.config.checks import task_params_overrides
 from rl.config.resume import check_checkpoint_dtypes, check_config_drift
 from rl.envs.tasks.base import make_task

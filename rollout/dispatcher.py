@@ -163,13 +163,9 @@ class Dispatcher:
 
     @property
     def _resume_pages(self) -> int:
-        """With the prefix cache on, the pages of one sequence's resume point that only the cache
-        holds: a KDA checkpoint (one page per KDA group) and the MLA page it ends in (one per MLA
-        group), which a continuation copies rather than shares. 0 without the cache."""
-        cache = self.engine.cache
-        if cache.prefix is None or not self.config.resume_headroom:
-            return 0
-        return cache.num_kda_groups + cache.num_mla_groups
+        """The pages of one sequence's resume point only the prefix cache holds
+        (`CacheManager.resume_point_pages`), when the headroom for them is kept."""
+        return self.engine.cache.resume_point_pages if self.config.resume_headroom else 0
 
     def _room_for(self, prompt: list[int], params: SamplingParams) -> bool:
         """Whether the backlog's head fits: in-flight projections + the resume points the other

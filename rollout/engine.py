@@ -5,12 +5,13 @@
 
 `step()` is the whole pipeline, nano-vllm style, one method per stage: schedule -> prepare (who
 samples, from which generators) -> run the model on pool pages -> sample (forking prompts) ->
-postprocess (append, finish). Every KV tier is behind `self.cache` (rollout/cache_manager.py).
+postprocess (append, finish). Every KV tier is behind `self.cache` (rollout/kv/cache_manager.py).
 Requests can be aborted, paused and resumed; `sleep()` hands the device pool back (nothing generated
 is lost: running sequences are recomputed after `wake()`; with a host KV pool, paused sequences'
 pages and the prefix cache's turn-boundary entries are written to host memory first and come back on
 `wake()` / on their next hit); `load_weights` installs a new policy version (tokens record which
-version sampled them, so partial rollouts that span versions stay attributable).
+version sampled them, so partial rollouts that span versions stay attributable). Those calls of the
+colocated cycle (sleep/wake, the host pool's lease and spill, weights) are rollout/engine_phases.py.
 """
 from __future__ import annotations
 
@@ -26,22 +27,17 @@ from rich.progress import Progress
 from kernels.impl import default_impl
 from memory.host_ledger import HostLedger
 from memory.host_pool import HostPagePool
-from memory.nvme_store import NvmeStore
 from memory.page_pool import OutOfPages, PagePool
-from models.fused import drop_fused, fused_bytes
 from models.model import HybridLM
-from rollout.cache_manager import CacheManager
 from rollout.engine_config import ContextTooLong, EngineConfig
-from rollout.kv_eviction import KVEvictor
+from rollout.engine_phases import EnginePhases
+from rollout.kv import CacheManager
 from rollout.lockstep import Lockstep
-from rollout.host_tier import HostTier
 from rollout.model_runner import ModelRunner, sampling_indices
-from rollout.page_copies import PageCopies
-from rollout.prefix_cache import PrefixCache
 from rollout.request import Request, RequestOutput, SeqStatus, Sequence
 from rollout.sampling import SamplingParams, SamplingRows, sample_rows
 from rollout.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from rollout.speculation import Sample, Speculator, Verification
+from rollout.speculative import Sample, Speculator, Verification
 
 
 def _select_runs(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -65,7 +61,7 @@ class _SamplePlan:
     """The sampler's rows, one per generator, in order."""
 
 
-class Engine:
+class Engine(EnginePhases):
     def __init__(self, model: HybridLM, config: EngineConfig | None = None, ledger: HostLedger | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  draft: HybridLM | None = None) -> None:
@@ -88,13 +84,7 @@ class Engine:
         else:
             self.host = (HostPagePool.from_bytes(self.layout.page_bytes, host_bytes, ledger=ledger, pin_memory=pin)
                          if host_bytes else None)
-        copies = PageCopies(self.pool, self.host)
-        host_tier = HostTier(self.pool, self.host, copies) if self.host is not None else None
-        prefix = (PrefixCache(self.pool, config.prefix_cache, copies, host_tier)
-                  if config.prefix_cache is not None else None)
-        self.evictor = (KVEvictor(config.kv_budget, self.pool, model, ledger=ledger)
-                        if config.kv_budget is not None else None)
-        self.cache = CacheManager(self.pool, prefix, self.evictor, host_tier)
+        self.cache = CacheManager.build(self.pool, self.host, config.prefix_cache, config.kv_budget, model, ledger)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                                    max_num_seqs=config.max_num_seqs), self.cache)
         self.runner = ModelRunner(model, self.pool, self.cache, config.kernel_impl or default_impl())
@@ -284,7 +274,7 @@ class Engine:
     def _run(self, scheduled: ScheduledStep, plan: _SamplePlan, verify: Verification | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, list[Sample]]:
         """The forward pass: returns the sampling rows' logits, the sampler's settings on the device, and
-        the verifying sequences' samples (accepted and rolled back, rollout/speculation.py)."""
+        the verifying sequences' samples (accepted and rolled back, rollout/speculative/speculation.py)."""
         _, logits, settings, verify_logits = self.runner.run(scheduled, plan.sampling, verify)  # draws in its copy
         self.peak_pages_used = max(self.peak_pages_used, self.pool.num_used)  # position pages included
         if verify is None:
@@ -394,102 +384,6 @@ class Engine:
                     bar.advance(task)
         self.drain()  # expert parallelism: the peers' generation may still run
         return [outputs[i] for i in ids]
-
-    # ---- memory and weights ----------------------------------------------------------------------------
-    @property
-    def is_asleep(self) -> bool:
-        """The device pool is released (`sleep`) until `wake`."""
-        return self.pool.is_released
-
-    def sleep(self) -> int:
-        """Release the device pool. Running sequences keep their tokens and are recomputed after
-        wake(). With a host pool, paused sequences' pages are parked there and restored by wake()
-        (bit for bit), and the prefix cache writes its turn-boundary entries back; the rest of the
-        device tier is dropped. Returns the pages written back to the host pool meanwhile."""
-        written = self.cache.pages_written_back
-        self.cache.park(self.scheduler.paused)
-        self.scheduler.preempt_all()
-        self.cache.sleep()
-        self.runner.invalidate_views()
-        self.drop_weight_copies()  # the CPU fused projections are rebuilt at the next step: no copy while asleep
-        if self.speculator is not None:
-            self.speculator.proposer.clear()  # a draft's states: rebuilt by a catch-up
-        return self.cache.pages_written_back - written
-
-    def wake(self) -> None:
-        self.cache.wake(self.scheduler.paused)
-        self.runner.invalidate_views()
-
-    def sequences(self) -> list[Sequence]:
-        """Every sequence of every request the engine still holds (paused ones included)."""
-        return [s for request in self.requests.values() for s in request.seqs]
-
-    def spill_host(self, store: NvmeStore, next_version: int, max_staleness: int | None = None) -> int:
-        """Asleep, before the training states come back to host DRAM: the host KV pool's kept
-        contents go to `store` and its DRAM back to the ledger (CacheManager.spill_host: what policy
-        `next_version` may still use). Returns the bytes written."""
-        return self.cache.spill_host(store, self.sequences(), next_version, max_staleness)
-
-    def suspend_host(self) -> None:
-        """Give the (empty) host KV pool's DRAM back to the ledger until `restore_host`: a run that
-        time-multiplexes host DRAM leases it at each rollout only."""
-        self.host.suspend()
-
-    def restore_host(self, store: NvmeStore | None) -> int:
-        """Lease the host KV pool again, before `wake`: engine.host_pool_mb's pages, or with "auto"
-        every byte the host ledger has free now (0 without a ledger), and read back what
-        `spill_host` kept. Returns the bytes read."""
-        host_bytes, free = self.config.host_pool_bytes, self.ledger.free if self.ledger is not None else 0
-        pages = (free if host_bytes is None else host_bytes) // self.layout.page_bytes
-        return self.cache.restore_host(store, self.sequences(), pages)
-
-    @property
-    def prefix_cache_is_empty(self) -> bool:
-        """No prefix-cache entry on any tier (True without a prefix cache)."""
-        return self.cache.prefix_cache_is_empty
-
-    def clear_prefix_cache(self) -> None:
-        self.cache.clear_prefix_cache()
-
-    def memory(self) -> dict[str, int]:
-        """Bytes the engine holds by tier: device_pool (the page pool, 0 while released), host_pool
-        (the host KV pool's lease), host_parked (the part of it holding paused rollouts' KV over a
-        sleep; 0 while spilled), disk_kv_pool (the host pool's kept contents on NVMe between
-        rollouts, payload), engine_weight_copies (`derived_weight_bytes`)."""
-        host = self.host
-        return {"device_pool": 0 if self.pool.is_released else self.pool.num_pages * self.layout.page_bytes,
-                "host_pool": host.pool_bytes if host is not None else 0,
-                "host_parked": (self.cache.num_parked_pages * host.page_bytes
-                                if host is not None and not host.is_suspended else 0),
-                "disk_kv_pool": self.cache.spilled_host_bytes, "engine_weight_copies": self.derived_weight_bytes()}
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy external policy weights into the engine's model (our parameter names, strict) and tag
-        later tokens with `version`. An engine built on the trainer's own model needs no copy: its
-        weight sync is `weights_updated(version)`."""
-        if version < self.policy_version:
-            raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
-        self.model.load_state_dict(state_dict, strict=True)
-        self.weights_updated(version)
-
-    def weights_updated(self, version: int) -> None:
-        """The model's parameters changed in place (the trainer's step, or `load_weights`): tag later
-        tokens with `version` and refresh what derives from the weights. Fused projection copies
-        (CPU) key on the parameters' version counters and rebuild by themselves; InfiniGen's partial
-        keys are recalibrated; prefixes cached under older weights stop matching."""
-        if version < self.policy_version:
-            raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
-        self.policy_version = version
-        self.cache.set_version(version)
-
-    def drop_weight_copies(self) -> int:
-        """Drop the fused projection copies (rebuilt at the next step); returns their bytes."""
-        return drop_fused(self.model)
-
-    def derived_weight_bytes(self) -> int:
-        """Bytes of weight copies the engine holds besides the model's parameters: the fused
-        projections the CPU path caches while generating (dropped by `sleep`); 0 on CUDA."""
-        return fused_bytes(self.model)
 
     def check_integrity(self) -> None:
         seqs = self.sequences()

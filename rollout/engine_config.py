@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from kernels.impl import check_impl
 from memory.layout import CacheLayout
 from models.precision import parse_dtype
-from rollout.kv_eviction import KVBudgetConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import KVBudgetConfig, PrefixCacheConfig
 
 if TYPE_CHECKING:
     from models.model import HybridLM
@@ -64,7 +63,7 @@ class EngineConfig:
     check_every_step: bool = False
     """Run the pool/cache integrity checks after every step (tests, debugging)."""
     prefix_cache: PrefixCacheConfig | None = None
-    """Hybrid prefix caching (rollout/prefix_cache.py); None = off."""
+    """Hybrid prefix caching (rollout/kv/prefix_cache.py); None = off."""
     host_pool_mb: int | float | str = 0
     """Host KV pool, MiB (memory/host_pool.py): the prefix cache's second tier and where paused
     sequences wait out a sleep(); 0 = none. Leased from the engine's host ledger, if given.
@@ -72,19 +71,19 @@ class EngineConfig:
     (`CacheManager.restore_host`; the RL loop does it, with memory.spill_dir: the DRAM the spilled
     training states freed)."""
     kv_budget: KVBudgetConfig | None = None
-    """Token eviction for the MLA layers (rollout/kv_eviction.py: H2O or InfiniGen): at most
+    """Token eviction for the MLA layers (rollout/kv/kv_eviction.py: H2O or InfiniGen): at most
     `budget_tokens` MLA slots per sequence on the device; None = full KV (the default)."""
     kda_state_dtype: str = "fp32"
     """Element type of the KDA state pages ("fp32" | "bf16"), independent of the MLA cache, which
     takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
     speculative: str = "off"
-    """Speculative decoding (rollout/speculation.py): "off", "ngram" (prompt lookup: proposals copied from
+    """Speculative decoding (rollout/speculative/speculation.py): "off", "ngram" (prompt lookup: proposals copied from
     earlier text, no extra model) or "draft" (proposals sampled from `draft_model`), verified in one
     forward with the target's exact distribution and logprobs."""
     draft_model: str | None = None
     """With speculative=draft: a checkpoint directory of ours (`python -m rl.export` writes one; its
     vocabulary must be the target's), or a model config YAML (configs/model/*.yaml: randomly initialised,
-    for tests). Its states live outside the page pool (rollout/draft.py)."""
+    for tests). Its states live outside the page pool (rollout/speculative/draft.py)."""
     num_speculative_tokens: int = 4
     """Most tokens proposed per sequence and step (the verify chunk is this + 1; adapted per sequence)."""
     ngram_min: int = 1
@@ -93,7 +92,7 @@ class EngineConfig:
     """Longest suffix it looks up (the longest that matches wins)."""
     speculative_row_cost: float = 0.016
     """What one more token row costs in a step, as a share of a decode step's fixed part: a sequence
-    verifies the proposals whose chance of being kept pays for their row (rollout/speculation.py
+    verifies the proposals whose chance of being kept pays for their row (rollout/speculative/speculation.py
     `Speculator.worth`). Measured on this project's CPU path with the tiny model: fixed part ~3 ms, a
     row ~50 us, so ~1/64. On a GPU, where decode is bound by reading the weights, a row costs far less:
     lower it (not measured on a GPU); 0 = rows are free: verify every proposal, up to num_speculative_tokens."""

@@ -15,10 +15,10 @@ from memory.page_pool import PagePool
 from models.model import HybridLM
 from models.paged import PagedCaches, PagedMixer, PagedStep, StepMetadata
 from models.state import SegmentBatch
-from rollout.cache_manager import CacheManager
+from rollout.kv import CacheManager
 from rollout.sampling import SamplingRows
 from rollout.scheduler import ScheduledStep
-from rollout.speculation import Verification
+from rollout.speculative import Verification
 
 
 def sampling_indices(step: ScheduledStep) -> list[int]:
@@ -56,7 +56,7 @@ class ModelRunner:
         sequences' logits at each of their k + 1 positions [sum k + 1, vocab] or None).
         `sampling`: the sampler's rows (rollout/sampling.py `SamplingRows`), whose settings and draws
         ride in the step's one metadata copy; None (or all greedy) = nothing to ship. `verify`: the
-        step's speculative verifications (rollout/speculation.py): their proposals run after their
+        step's speculative verifications (rollout/speculative/speculation.py): their proposals run after their
         last token, and their KDA states at each position go to their position pages."""
         seqs = step.seqs
         batch = SegmentBatch(new_lens=list(step.num_new_tokens), starts=[s.num_computed for s in seqs])

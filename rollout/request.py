@@ -56,7 +56,7 @@ class Sequence:
     first computed or taken from a prefix hit, kept over pauses and weight updates, None after a
     reset. Tokens it samples are tagged with min(sampler's version, this): stale KV makes them stale."""
     kv: SeqKV | None = None
-    """With a KV budget (rollout/kv_eviction.py): which tokens its MLA slots hold; None = all of them."""
+    """With a KV budget (rollout/kv/kv_eviction.py): which tokens its MLA slots hold; None = all of them."""
 
     @property
     def num_tokens(self) -> int:

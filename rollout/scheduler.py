@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollout.cache_manager import CacheManager
+from rollout.kv import CacheManager
 from rollout.request import SeqStatus, Sequence
 
 

@@ -1,4 +1,4 @@
-"""`SeqKV`: where one sequence's MLA entries are once token eviction (rollout/kv_eviction.py) has
+"""`SeqKV`: where one sequence's MLA entries are once token eviction (rollout/kv/kv_eviction.py) has
 touched them. Its own module so that `rollout.request.Sequence` can hold one without importing
 the evictor."""
 from __future__ import annotations

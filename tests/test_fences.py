@@ -16,7 +16,7 @@ EXTERNAL_ROOTS = {"torch", "sys", "os", "np", "triton", "tl", "dist", "threading
                   "collections", "typing", "json", "asyncio", "math", "signal", "subprocess", "shutil", "ctypes", "aten"}
 """Modules whose private attributes are theirs to offer (torch._C, sys._getframe ...)."""
 LIBRARY_PRIVATES = {
-    "rl/config/__init__.py": {"_set_flag", "_get_node", "_is_missing", "_is_none"},  # OmegaConf nodes' flags
+    "rl/config/compose.py": {"_set_flag", "_get_node", "_is_missing", "_is_none"},  # OmegaConf nodes' flags
     "rl/plan/activation.py": {"_schema"},  # a torch op's schema (the meta device's dispatch)
 }
 """Private attributes of a library's objects a file relies on, by file (the rule is about ours)."""
@@ -90,7 +90,52 @@ def private_imports(source: str) -> list[str]:
             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
 
 
+ROOMS = ("rollout.kv", "rollout.speculative")
+"""Rooms of rollout/ whose insides only their own files (and their own tests) import; everyone else takes the
+names the room's __init__ exports (`__all__`)."""
+
+
+def room_exports(room: str) -> set[str]:
+    tree = ast.parse((ROOT / room.replace(".", "/") / "__init__.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__")
+    return set(ast.literal_eval(node.value))
+
+
+def room_breaches(source: str, room: str, exports: set[str]) -> list[str]:
+    """Imports of `room`'s inside (`rollout.kv.prefix_cache`, any depth, in functions too) and names taken from
+    `room` that its __init__ does not export."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            hits += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.startswith(room + ".")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith(room + "."):
+                hits.append(f"{node.lineno}: from {node.module} import ...")
+            elif node.module == room:
+                hits += [f"{node.lineno}: from {room} import {a.name} (not exported)" for a in node.names
+                         if a.name not in exports]
+    return hits
+
+
+def outside(room: str) -> list[Path]:
+    folder = room.replace(".", "/")
+    inside = (ROOT / folder, ROOT / "tests" / folder)
+    return [p for p in files(*PACKAGES, "tools") if not any(p.is_relative_to(d) for d in inside)]
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_a_room_of_rollout_is_reached_through_its_exports_only(room: str):
+    exports = room_exports(room)
+    hits = {str(p.relative_to(ROOT)): h for p in outside(room) if (h := room_breaches(p.read_text(), room, exports))}
+    assert hits == {}
+
+
 def test_each_fence_catches_a_planted_breach():
+    planted = "from rollout.kv.prefix_cache import PrefixCache\nfrom rollout.kv import CacheManager, Secret\n" \
+              "def f():\n    import rollout.kv.host_tier\n"
+    assert room_breaches(planted, "rollout.kv", {"CacheManager"}) == [
+        "1: from rollout.kv.prefix_cache import ...", "2: from rollout.kv import Secret (not exported)",
+        "4: import rollout.kv.host_tier"]
     assert part_reaches("x = p.engine.cache.prefix.index\ny = engine.scheduler.running") == [
         "1: p.engine.cache.prefix.index", "2: engine.scheduler.running"]
     assert part_reaches("n = trainer.optimizer.spilled_bytes") == ["1: trainer.optimizer.spilled_bytes"]

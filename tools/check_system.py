@@ -262,7 +262,7 @@ def rl_overrides(device: str, run_dir: Path) -> list[str]:
 
 def rl_run(ctx: Ctx, figures) -> None:
     """A 3-iteration RL run with experiment.device=cuda, bf16; copies its metrics files out."""
-    from rl.config import compose_run_config
+    from rl.config.compose import compose_run_config
 
     scratch = os.environ.get("GPU_CHECK_SCRATCH") or tempfile.mkdtemp(prefix="gpu_check_")
     run_dir = Path(scratch) / "rl_run"  # never under the evidence folder: only its copied files go there

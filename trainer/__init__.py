@@ -1,4 +1,4 @@
-"""Training engine (see README.md). RL losses live in trainer/losses.py."""
+"""Training engine (see README.md). RL losses live in trainer/losses/."""
 from trainer.losses import (
     ADVANTAGES,
     AGGREGATIONS,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trainer.chunks import CHUNK_SPLITS
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 
 
 def micro_batches(seq_lens: Sequence[int], budget: int | None) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Attention weights per cached token, and attention split over two sets of rows.
 
-Token-eviction policies (rollout/kv_eviction.py) need what paged decode never materialises: how
+Token-eviction policies (rollout/kv/kv_eviction.py) need what paged decode never materialises: how
 much attention each cached token received. Given the log-sum-exp `lse` that
 `paged_mla_decode(return_lse=True)` returns, a second pass recomputes each token's score and sums
 its probability over heads (MLA's latent row is shared by every head, so a token can only be kept

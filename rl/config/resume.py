@@ -11,7 +11,8 @@ from pathlib import Path
 from models.checkpoint import checkpoint_dtype
 from models.config import ModelConfig
 from models.precision import DTYPES, dtype_name
-from rl.config import NO_DEFAULT, RunConfig, schema_default, task_params
+from rl.config import RunConfig, task_params
+from rl.config.compose import NO_DEFAULT, schema_default
 from rl.run.checkpoint import RUN_CONFIG
 
 

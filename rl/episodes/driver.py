@@ -44,12 +44,13 @@ from rl.envs.tasks.base import make_task, resolve_task
 from rl.episodes.cache_metrics import cache_metrics
 from rl.episodes.driver_config import DriverConfig
 from rl.episodes.env_calls import CallEnded, EnvCalls
-from rl.episodes.env_runner import DROP_REASONS, Dropped, EnvConfig
+from rl.episodes.env_runner import Dropped, EnvConfig
+from rl.episodes.rollout_metrics import new_counters, rollout_metrics
 from rl.episodes.runner import EpisodeRunner, mix_seed
 from rl.episodes.trajectory import Trajectory
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine
-from rollout.request import RequestOutput, SampleOutput
+from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
 
@@ -72,7 +73,7 @@ class TurnEnd:
                 raise AssertionError(f"trajectory {t.traj_id}: the engine's prompt ({len(out.prompt)} tokens) is not "
                                      f"a prefix of the trajectory's tokens: what the trainer scores would differ "
                                      f"from what the engine saw")
-            self.driver._append(t, sample, self.stats)
+            self.stats["tokens"] += t.append_sample(sample)
         return nxt + self.driver._end_turns(self.trajs, self.stats)
 
 
@@ -188,14 +189,6 @@ class RolloutDriver:
             self._drop(trajs, fault, stats)
             return []
 
-    @staticmethod
-    def _append(traj: Trajectory, sample: SampleOutput, stats: dict) -> None:
-        traj.tokens += sample.tokens
-        traj.policy += [True] * len(sample.tokens)
-        traj.logprobs += sample.logprobs
-        traj.versions += sample.versions
-        stats["tokens"] += len(sample.tokens)
-
     def _end_turns(self, trajs: list[Trajectory], stats: dict) -> list[Submission]:
         """One request's samples ended their turn: their steps inline (`EnvCalls.steps`), then the requests
         of those that go on; or, with a worker pool, each step handed there (back through `EnvBackground`)."""
@@ -239,22 +232,10 @@ class RolloutDriver:
         except Dropped as fault:
             self._drop([traj], fault, stats)
             return False
-        traj.answers.append(answer)
-        traj.reward += turn.reward
-        for name, value in turn.components.items():
-            traj.components[name] = traj.components.get(name, 0.0) + float(value)
-        if turn.is_correct is not None:
-            traj.is_correct = bool(turn.is_correct)
-        if turn.last:
-            self._finish(traj, stats)
-            return False
-        traj.tokens += turn.observation
-        traj.policy += [False] * len(turn.observation)
-        traj.logprobs += [0.0] * len(turn.observation)
-        traj.versions += [-1] * len(turn.observation)
-        traj.turn_boundaries.append(len(traj.tokens))
-        traj.turn_start = len(traj.tokens)
-        return True
+        if traj.end_turn(answer, turn):
+            return True
+        self._finish(traj, stats)
+        return False
 
     def _finish(self, traj: Trajectory, stats: dict) -> None:
         traj.done = True
@@ -327,8 +308,7 @@ class RolloutDriver:
         dispatcher = Dispatcher(self.engine, self.throttle)
         if dispatcher.auto is not None and self.auto_limit is not None:
             dispatcher.auto.limit = self.auto_limit
-        stats = {"tokens": 0, "finished": 0, "components": {}, **{f"dropped/{reason}": 0 for reason in DROP_REASONS},
-                 "env_retries": 0, "env_timeouts": 0, "env_failures_scored": 0}
+        stats = new_counters()
         calls_before, busy_before = (self.runner.num_calls, self.runner.busy_seconds) if self.runner else (0, 0.0)
         self._resubmit_carry(dispatcher, stats)
         self._start_new_groups(dispatcher, groups_in_flight, stats)
@@ -355,26 +335,8 @@ class RolloutDriver:
         # the policy's entropy per sampled token (nats, at the sampling temperature; verl's actor/entropy)
         entropy = {"entropy": (self.engine.entropy_sum - entropy_before) / generated} if generated else {}
         return {**cache, **entropy,
-                **self._iteration_metrics(dispatcher, stats, seconds, generated, calls_before, busy_before)}
-
-    def _iteration_metrics(self, dispatcher: Dispatcher, stats: dict, seconds: float, generated: int,
-                           calls_before: int, busy_before: float) -> dict[str, float]:
-        dropped = {f"dropped/{reason}": float(stats[f"dropped/{reason}"]) for reason in DROP_REASONS}
-        env_calls = {"env_retries": float(stats["env_retries"]), "env_timeouts": float(stats["env_timeouts"]),
-                     "env_failures_scored": float(stats["env_failures_scored"]),
-                     # the engine's share of the rollout's wall time, and the environments' work done off it
-                     "engine_step_seconds": dispatcher.engine_seconds, "env_wait_seconds": dispatcher.wait_seconds,
-                     **({"env_calls": float(self.runner.num_calls - calls_before),
-                         "env_busy_seconds": self.runner.busy_seconds - busy_before,
-                         "env_stuck_calls": float(self.runner.num_stuck)} if self.runner else {})}
-        return {"rollout_seconds": seconds, "rollout_tokens": float(generated),
-                "rollout_tok_s": generated / max(seconds, 1e-9),
-                "trajectories_finished": float(stats["finished"]), "trajectories_carried": float(len(self.carry)),
-                # reward components: the mean over this iteration's finished trajectories (a missing one counts 0)
-                **{f"reward/{k}": v / stats["finished"] for k, v in sorted(stats["components"].items())},
-                **dropped, "trajectories_dropped": sum(dropped.values()), **env_calls,
-                # the names before the drops had reasons, kept for older readers
-                "env_errors": dropped["dropped/env_error"], "rollout_dropped_too_long": dropped["dropped/too_long"]}
+                **rollout_metrics(stats, dispatcher, self.runner, seconds, generated, len(self.carry),
+                                  calls_before, busy_before)}
 
     def _resubmit_carry(self, dispatcher: Dispatcher, stats: dict) -> None:
         """The carried-over trajectories back in flight: paused requests (partial_resume="kv")
@@ -468,7 +430,7 @@ class RolloutDriver:
             else:
                 self.engine.abort(request_id)
                 for t, sample in zip(trajs, out.samples):
-                    self._append(t, sample, stats)
+                    stats["tokens"] += t.append_sample(sample)
             self.carry += trajs
         for sub in backlog:
             self.carry += _continued(sub)

@@ -47,7 +47,7 @@ class DriverConfig:
     budget below what an iteration samples lets the carry-over grow without bound)."""
     max_staleness: int | None = None
     """KV older than this many policy versions at the next rollout is not kept across iterations:
-    prefix entries are dropped and parked partial rollouts recomputed (rollout/host_spill.py, when
+    prefix entries are dropped and parked partial rollouts recomputed (rollout/kv/host_spill.py, when
     the host pool goes to NVMe between rollouts); None = no limit."""
 
     def __post_init__(self) -> None:

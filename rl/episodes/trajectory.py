@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rl.episodes.runner import TurnOutcome
+from rollout.request import SampleOutput
+
 
 @dataclass
 class Trajectory:
@@ -36,3 +39,32 @@ class Trajectory:
     @property
     def num_generated_in_turn(self) -> int:
         return len(self.tokens) - self.turn_start
+
+    def append_sample(self, sample: SampleOutput) -> int:
+        """This turn's tokens from the engine (sampled by the policy: trained on, with their behaviour
+        logprobs and versions). Returns how many."""
+        self.tokens += sample.tokens
+        self.policy += [True] * len(sample.tokens)
+        self.logprobs += sample.logprobs
+        self.versions += sample.versions
+        return len(sample.tokens)
+
+    def end_turn(self, answer: str, turn: TurnOutcome) -> bool:
+        """The finished turn's `answer` and its outcome: the reward and its components summed, the verdict
+        kept; unless the episode ends there, the observation appended (given tokens: not trained on) and
+        the next turn begun at a turn boundary. True when another turn follows."""
+        self.answers.append(answer)
+        self.reward += turn.reward
+        for name, value in turn.components.items():
+            self.components[name] = self.components.get(name, 0.0) + float(value)
+        if turn.is_correct is not None:
+            self.is_correct = bool(turn.is_correct)
+        if turn.last:
+            return False
+        self.tokens += turn.observation
+        self.policy += [False] * len(turn.observation)
+        self.logprobs += [0.0] * len(turn.observation)
+        self.versions += [-1] * len(turn.observation)
+        self.turn_boundaries.append(len(self.tokens))
+        self.turn_start = len(self.tokens)
+        return True

@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rl.config import CONFIGS, RunConfig, compose_run_config
+from rl.config import RunConfig
+from rl.config.compose import CONFIGS, compose_run_config
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
 from memory.tiers import DEVICE_KEYS, DISK_KEYS, HOST_KEYS
 from rl.plan.model import (PhaseMemory, Sizes, expert_parallel_size, host_budget_bytes, meta_policy, plan_phases,
@@ -74,7 +75,7 @@ class Plan:
         return [p for p in self.phases if p.iteration == 1]
 
     def longest_context(self, pool_pages: int) -> int:
-        """Tokens of the longest sequence whose KV fits `pool_pages` pages (rollout/cache_manager.py
+        """Tokens of the longest sequence whose KV fits `pool_pages` pages (rollout/kv/cache_manager.py
         `pages_for_tokens`: one KDA state page per KDA group, ceil(tokens / block_tokens) pages per
         MLA group)."""
         layout = self.sizes.layout

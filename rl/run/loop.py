@@ -10,7 +10,7 @@ Host DRAM is time-multiplexed when the run spills and the engine has a host KV p
 "host_out" writes the pool's live contents (parked partial rollouts, turn-boundary prefix entries
 worth keeping) to NVMe and returns its lease before "restore" brings the training states back;
 "host_in" leases it again once they left ("offload"; before the first rollout too) and reads the
-contents back (rollout/host_spill.py). With engine.host_pool_mb="auto" it leases every byte the
+contents back (rollout/kv/host_spill.py). With engine.host_pool_mb="auto" it leases every byte the
 ledger has free then, so the ledger never holds both consumers at full size.
 The checkpoint comes before the offload: it reads the optimizer states while they are still in
 host memory, so a spilled run writes each state once (offload) and reads it once (restore) per
@@ -57,7 +57,8 @@ from memory.tiers import with_totals
 from models.model import HybridLM
 from rl.config import RunConfig
 from rl.config.resume import resolved_config
-from rl.episodes.driver import DROP_REASONS, RolloutDriver, RolloutResult
+from rl.episodes.driver import RolloutDriver, RolloutResult
+from rl.episodes.env_runner import DROP_REASONS
 from rl.run.checkpoint import save_iteration
 from rl.run.figures import rollout_statistics, trajectory_lengths
 from rl.run.ranks import CHECKSUM_BITS, Ranks, merge_metrics, require_same, weights_checksum

@@ -16,7 +16,7 @@ from memory.layout import CacheLayout
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 
 BIG = load_model_config("configs/model/kimi_linear_48b_a3b.yaml")

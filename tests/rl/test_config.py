@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from rl.config import CONFIGS, RunConfig, compose_run_config
+from rl.config import RunConfig
+from rl.config.compose import CONFIGS, compose_run_config
 from rl.config.checks import check_optional_groups, check_tokenizer
 from rl.config.resume import resolved_config
 

@@ -16,7 +16,7 @@ from rl.episodes.env_runner import EnvConfig, EnvRunner, EnvTimeout
 from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
 from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 
 SLEEP = {"s": 0.0}  # the sleepy task's per-step delay, set by each test
 HANGS: dict[str, int] = {}  # episode seed -> calls of step() that still hang (the hung/flaky tasks)

@@ -14,7 +14,7 @@ import pytest
 
 from rl.run.loop import RunBroken
 from rl.run.ranks import merge_metrics
-from rl.episodes.driver import DROP_REASONS
+from rl.episodes.env_runner import DROP_REASONS
 from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rl.train import run
 from tests.rl.test_config import composed

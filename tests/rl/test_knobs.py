@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from rl.config import CONFIGS, RunConfig
+from rl.config import RunConfig
+from rl.config.compose import CONFIGS
 from rl.envs.tasks import resolve_task
 from rl.plan.cluster import ClusterConfig
 

@@ -15,7 +15,7 @@ from rl.episodes.driver import Trajectory
 from rl.run.update import PackedBatch, mini_batch_split, old_logprobs, policy_update
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, Segments, rl_loss
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig, micro_batches
 
 LENS = [34, 10, 51, 18, 27, 9, 40, 22]

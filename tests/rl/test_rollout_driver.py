@@ -10,7 +10,7 @@ from models.tokenizer import ByteTokenizer
 from rl.episodes.driver import DriverConfig, RolloutDriver, mix_seed
 from rl.envs.tasks.base import TASKS, StepResult, register_task
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 
 
 @dataclass

@@ -13,7 +13,7 @@ from rl.episodes.driver import DriverConfig, RolloutDriver
 from rl.envs.tasks.base import TASKS, register_task
 from rl.run.build import build
 from rl.episodes.validation import EvalConfig, eval_due, evaluate, evaluator
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from tests.rl.test_config import composed
 from tests.rl.test_rollout_driver import engine
 

@@ -3,7 +3,7 @@ import pytest
 
 from rollout.dispatcher import AutoLimit, Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.rollout.conftest import greedy_reference
 

@@ -8,7 +8,7 @@ request's CPU generator are made on the host by design, then moved. Same rule as
 tests/rl/test_device.py applies to rl/ and trainer/.
 
 The paged mixer (models/paged.py) is audited too. Token eviction's host bookkeeping (positions,
-scores: rollout/kv_eviction.py) is not exercised here.
+scores: rollout/kv/kv_eviction.py) is not exercised here.
 """
 import copy
 from pathlib import Path
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.device_audit import ROOT, DeviceAudit
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from rollout.engine import Engine, EngineConfig
-from rollout.kv_eviction import KVBudgetConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import KVBudgetConfig, PrefixCacheConfig
 from rollout.request import SeqStatus
 from rollout.sampling import SamplingParams
 from tests.rollout.conftest import greedy_reference
@@ -204,7 +203,7 @@ def test_no_sequence_reads_a_page_before_its_host_copy_is_waited_on(tiny_model, 
     hits; 16: a swap): after every step no sequence holds a page whose load no device stream waited
     on; a prefetch issued right before a forward stays in flight through it (the overlap), read a
     step later."""
-    from tests.rollout.test_prefix_cache import run
+    from tests.rollout.kv.test_prefix_cache import run
     seen = {"in_flight": 0}
 
     def ordering(eng: Engine) -> None:

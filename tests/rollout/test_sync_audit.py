@@ -21,7 +21,7 @@ import torch
 from models.config import load_model_config
 from models.model import HybridLM
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_cache import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.sampling import SamplingParams
 from tests.sync_audit import SyncAudit, SyncCounts, audit_step
 
@@ -206,7 +206,7 @@ def test_a_train_step_syncs_once_per_micro_batch_outside_the_host_optimizer(caps
     from rl.episodes.driver import Trajectory
     from rl.run.update import PackedBatch, policy_update
     from trainer.losses import LossConfig
-    from trainer.optimizer import OptimizerConfig
+    from trainer.host_adam import OptimizerConfig
     from trainer.step import Trainer, TrainerConfig
 
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=3, std=0.1)

@@ -6,7 +6,7 @@ import torch
 
 from rollout.dispatcher import Dispatcher, Submission, ThrottleConfig
 from rollout.engine import Engine, EngineConfig
-from rollout.prefix_config import PrefixCacheConfig
+from rollout.kv import PrefixCacheConfig
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 

@@ -148,7 +148,7 @@ def test_variant_figures_count_specializations_not_autotune_configs():
 
 
 def test_rl_overrides_ask_for_bf16_on_cuda_and_compose():
-    from rl.config import compose_run_config
+    from rl.config.compose import compose_run_config
 
     cuda = rl_overrides("cuda", Path("/scratch/rl_run"))
     assert cuda[:2] == ["experiment.device=cuda", "experiment.dtype=bf16"] and "experiment.iterations=3" in cuda

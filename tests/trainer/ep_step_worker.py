@@ -21,7 +21,7 @@ def shares(world: int, idle_rank: int | None, lens) -> list[list[int]]:
 
 def engine_for(model):
     from rollout.engine import Engine, EngineConfig
-    from rollout.prefix_config import PrefixCacheConfig
+    from rollout.kv import PrefixCacheConfig
 
     return Engine(model, EngineConfig.for_pages(model, 48, max_model_len=160, check_every_step=True,
                                                 prefix_cache=PrefixCacheConfig(hash_block=16, model_id="tiny")))

@@ -14,7 +14,7 @@ import torch
 from models.precision import cast_parameters
 from tests.trainer.test_step import make_batch, make_model, rel_err
 from tests.trainer.test_step import reference_step as plain_step
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
 pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)

@@ -7,7 +7,7 @@ import torch
 
 from tests.trainer.test_step import OPT, make_batch, make_model, reference_step, rel_err
 from trainer.lr_schedule import lr_factor
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
 

@@ -10,7 +10,7 @@ from memory.host_ledger import HostBudgetExceeded, HostLedger
 from models.config import load_model_config
 from models.model import HybridLM
 from trainer.chunks import ChunkedModel
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer, TrainerConfig
 

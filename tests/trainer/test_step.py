@@ -6,7 +6,7 @@ from memory.grad_arena import ArenaFull, GradArena
 from tests.trainer.plain import plain_packed_logprobs
 from models.config import load_model_config
 from models.model import HybridLM
-from trainer.optimizer import OptimizerConfig
+from trainer.host_adam import OptimizerConfig
 from trainer.step import Trainer, TrainerConfig
 
 pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)

@@ -1,0 +1,108 @@
+"""`rl_loss`: the one entry point combining a policy loss, truncated IS, a KL term and an entropy bonus."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from trainer.losses.aggregation import Segments, token_mean
+from trainer.losses.checks import CHECK_NAMES, as_float, check_coefficients, check_inputs, raise_on_bad_values
+from trainer.losses.config import LossConfig
+from trainer.losses.registry import lookup
+
+
+def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, config: LossConfig, *,
+            behaviour_logp: Tensor | None = None, ref_logp: Tensor | None = None,
+            entropy: Tensor | None = None, segments: Segments | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The scalar RL loss of one (micro-)batch and its metrics.
+
+    logp, old_logp, behaviour_logp, ref_logp, entropy, mask: [B, T] (see the module docstring for
+    which logp is which); advantages: [B] (one per sequence, broadcast over its tokens) or [B, T];
+    mask: bool or 0/1, True for valid (response) tokens. Half-precision inputs are computed in fp32.
+    With `segments` every input is packed instead, [N] (advantages too: one per row), and
+    `segments` names each row's sequence; the padded layout is computed as its flattening, so both
+    layouts of the same tokens give the same loss.
+
+    Per token: pg = policy_loss * tis_weight, tis_weight = min(exp(old_logp - behaviour_logp), tis_cap)
+    (detached; 1 when behaviour_logp is None or tis_cap is None; it weights the policy term only, as
+    verl); kl = kl_estimator(logp, ref_logp); the loss is
+        aggregate(pg) + kl_coef * aggregate(kl) - entropy_coef * aggregate(entropy).
+    Gradients flow through logp and entropy only. Nothing is mutated.
+
+    Metrics (floats): loss, pg_loss, num_tokens, clip_frac, dual_clip_frac, ratio_mean, ratio_max;
+    kl when ref_logp is given; entropy when entropy is given; tis_weight_mean, tis_capped_frac and
+    tis_raw_ratio_max when behaviour_logp is given and tis_cap is set. pg_loss, kl and entropy use the
+    configured aggregation (so loss = pg_loss + kl_coef * kl - entropy_coef * entropy); fractions
+    and ratio statistics are over valid tokens.
+
+    Raises ValueError on shape mismatch, an empty batch (B = 0, T = 0 or no valid token), a mask value
+    other than 0/1, a non-finite input at a valid token, or a nonzero coefficient whose input is missing.
+    """
+    mask, bad_counts = check_inputs(logp, old_logp, advantages, mask, segments, behaviour_logp=behaviour_logp,
+                                     ref_logp=ref_logp, entropy=entropy)
+    shape = tuple(mask.shape)
+    if segments is None:  # padded [B, T] -> packed [B * T] (views)
+        segments = Segments.of_rows(logp.shape, logp.device)
+        if advantages.ndim == 1:
+            advantages = advantages[:, None].expand_as(logp)  # [B, T]
+        logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy = (
+            None if x is None else x.reshape(-1)
+            for x in (logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy))
+    check_coefficients(config, ref_logp, entropy)
+
+    def valid(x: Tensor) -> Tensor:
+        # masked-out positions may hold anything (NaN); zero them so they cannot poison sums or grads
+        return torch.where(mask, as_float(x), 0.0)  # [N]
+
+    logp, old_logp, advantages = valid(logp), valid(old_logp).detach(), valid(advantages).detach()
+    chosen = lookup("aggregation", config.aggregation)
+
+    def aggregate(values: Tensor, where: Tensor) -> Tensor:
+        return chosen(values, where, segments)
+
+    num_tokens = mask.sum()
+    item, frac, masked_max = _metric_helpers(mask, num_tokens)
+
+    out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config)
+    pg = out.loss  # [N]
+    metrics: dict[str, Tensor] = {}
+    if behaviour_logp is not None and config.tis_cap is not None:
+        raw = torch.exp(old_logp - valid(behaviour_logp).detach())  # [N]
+        tis_weight = raw.clamp(max=config.tis_cap)  # [N]
+        pg = pg * tis_weight
+        metrics.update(tis_weight_mean=item(token_mean(tis_weight, mask)),
+                       tis_capped_frac=frac(raw > config.tis_cap), tis_raw_ratio_max=masked_max(raw))
+    pg_loss = aggregate(pg, mask)
+    loss = pg_loss
+    if ref_logp is not None:
+        kl = aggregate(lookup("kl_estimator", config.kl_estimator)(logp, valid(ref_logp).detach()), mask)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = item(kl)
+    if entropy is not None:
+        ent = aggregate(valid(entropy), mask)
+        loss = loss - config.entropy_coef * ent
+        metrics["entropy"] = item(ent)
+    metrics.update(loss=item(loss), pg_loss=item(pg_loss), num_tokens=item(num_tokens.float()),
+                   clip_frac=frac(out.clipped), dual_clip_frac=frac(out.dual_clipped),
+                   ratio_mean=item(token_mean(out.ratio, mask)), ratio_max=masked_max(out.ratio))
+    names = list(metrics)
+    values = torch.cat([bad_counts.float(), torch.stack([metrics[n] for n in names]).to(bad_counts.device)]).tolist()
+    raise_on_bad_values(dict(zip(CHECK_NAMES, values)), shape)
+    return loss, dict(zip(names, values[len(CHECK_NAMES):]))
+
+
+def _metric_helpers(mask: Tensor, num_tokens: Tensor) -> tuple[Callable, Callable, Callable]:
+    """(item, frac, masked_max) over the valid tokens. Metrics stay 0-dim tensors until rl_loss's end,
+    where they and the input checks' counts reach the host in one transfer: one host sync per call
+    (on CUDA every .item() would be one)."""
+    def item(x: Tensor) -> Tensor:
+        return x.detach().float()
+
+    def frac(flags: Tensor) -> Tensor:
+        return item((flags & mask).sum() / num_tokens)
+
+    def masked_max(x: Tensor) -> Tensor:
+        return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
+
+    return item, frac, masked_max
