@@ -385,6 +385,11 @@ class Engine(EnginePhases):
         self.drain()  # expert parallelism: the peers' generation may still run
         return [outputs[i] for i in ids]
 
+    @property
+    def evictor(self):
+        """The cache's token evictor (None without a KV budget): its counters, for tests and benchmarks."""
+        return self.cache.evictor
+
     def check_integrity(self) -> None:
         seqs = self.sequences()
         self.cache.check_integrity(seqs)

@@ -15,7 +15,7 @@ def model(ep=None):
     from models.config import load_model_config
     from models.model import HybridLM
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     config = load_model_config(root / "configs/model/tiny.yaml", ["num_experts=8"])
     return HybridLM(config, ep).init_weights(seed=1, std=0.15).eval()
 
