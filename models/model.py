@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels.kda.chunk import chunk_kda
 from models.config import ModelConfig
 from models.kda import KDALayer
+from models.context_parallel import ContextParallel, ContextParallelMixer
 from models.mla import MLALayer, causal_attention
 from models.expert_parallel import ExpertParallel
 from models.mlp import Experts, MoE, Router, SwiGLU
@@ -66,12 +67,17 @@ class StatefulOutput:
 
 class HybridLM(nn.Module):
     """`expert_parallel`: this rank's share of the routed experts (models/expert_parallel.py);
-    None = every expert here."""
+    None = every expert here. `context_parallel`: the group this rank shares every whole-sequence
+    forward with (models/context_parallel.py; its batches hold this rank's zig-zag share of each
+    sequence); None = whole sequences here. Neither changes the weights, only where tokens and
+    experts live."""
 
-    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, expert_parallel: ExpertParallel | None = None,
+                 context_parallel: ContextParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.expert_parallel = expert_parallel if expert_parallel is not None and expert_parallel.active else None
+        self.context_parallel = context_parallel if context_parallel is not None and context_parallel.active else None
         self.model = Backbone(config, self.expert_parallel)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -112,6 +118,17 @@ class HybridLM(nn.Module):
         return self
 
     # ---- the layer stack ---------------------------------------------------------------------------
+    def whole_sequence_mixer(self, seq_lens: Sequence[int], keep_attention: bool = False
+                             ) -> "PackedMixer | ContextParallelMixer":
+        """The mixer of a forward over whole sequences from position 0 (training, old logprobs, the
+        reference): `PackedMixer`, or under context parallelism `ContextParallelMixer` over this
+        rank's local rows (`seq_lens`: each sequence's 2F local tokens). keep_attention: see
+        PackedMixer (ignored under context parallelism)."""
+        batch = SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))
+        if self.context_parallel is not None:
+            return ContextParallelMixer(batch, self.context_parallel)
+        return PackedMixer(batch, keep_attention=keep_attention)
+
     def run_layers(self, token_ids: torch.Tensor, mixer: "Mixer") -> torch.Tensor:
         """token_ids: [N] packed tokens -> final-normed hidden states [N, D].
 

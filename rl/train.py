@@ -77,7 +77,8 @@ def run(cfg: RunConfig) -> list[dict[str, float]]:
 
 def _ranked_run(cfg: RunConfig, threads: str) -> list[dict[str, float]]:
     # "cuda": GPU LOCAL_RANK, NCCL; "cpu": gloo
-    ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s, cfg.parallel.expert)
+    ranks = init_ranks(cfg.experiment.device_type, cfg.experiment.collective_timeout_s, cfg.parallel.expert,
+                       cfg.parallel.context)
     try:
         return _run(cfg, ranks, threads=threads)
     except Exception as err:

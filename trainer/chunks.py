@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from models.fused import unfused
-from models.model import HybridLM, Mixer, PackedMixer
-from models.state import SegmentBatch
+from models.model import HybridLM, Mixer
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,7 @@ class ChunkedModel:
 
     def _forward_logprobs(self, token_ids: torch.Tensor, seq_lens: Sequence[int], targets: torch.Tensor,
                           logprob_chunk_len: int) -> torch.Tensor:
-        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
+        mixer = self.model.whole_sequence_mixer(seq_lens).stage(token_ids.device)
         hidden = self.model.model.embed_tokens(token_ids)
         for c in range(len(self.specs)):
             hidden = self._run_chunk(c, hidden, mixer)
@@ -249,7 +248,7 @@ class ChunkedModel:
                 on_chunk_done(c)
         return results
 
-    def _staged_forward(self, batch: MicroBatch) -> tuple[list[torch.Tensor], PackedMixer]:
+    def _staged_forward(self, batch: MicroBatch) -> tuple[list[torch.Tensor], Mixer]:
         """One micro-batch's forward without a graph: (the hidden state entering each chunk, its
         staged mixer). Whole sequences from position 0: the batched mixer (its index tensors reach
         the device in one copy, before any layer runs); keep_attention: the graph-free pass keeps
@@ -264,8 +263,7 @@ class ChunkedModel:
                              f"the same 1-D packed shape")
         if sum(seq_lens) != token_ids.numel() or any(n < 1 for n in seq_lens):
             raise ValueError(f"seq_lens {list(seq_lens)} must be positive and sum to {token_ids.numel()} tokens")
-        packed = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens)),
-                             keep_attention=True).stage(token_ids.device)
+        packed = self.model.whole_sequence_mixer(seq_lens, keep_attention=True).stage(token_ids.device)
         inputs = []
         with torch.no_grad(), unfused():
             hidden = self.model.model.embed_tokens(token_ids)  # [N, D]

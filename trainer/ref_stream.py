@@ -59,8 +59,7 @@ from memory.grad_arena import GradArena
 from memory.host_ledger import HostLedger
 from memory.pinned import pinned_empty
 from models.fused import drop_fused, unfused
-from models.model import HybridLM, PackedMixer
-from models.state import SegmentBatch
+from models.model import HybridLM
 from trainer.chunks import chunk_specs
 
 LEDGER_CONSUMER = "reference"
@@ -123,7 +122,7 @@ class StreamedReference:
         self.specs = chunk_specs(model, num_chunks, split)
 
         with torch.device("meta"):  # this rank's share of the experts, as `model` holds (expert parallelism)
-            self.module = HybridLM(model.config, model.expert_parallel).eval()
+            self.module = HybridLM(model.config, model.expert_parallel, model.context_parallel).eval()
         for name, buf in model.named_buffers():  # small, resident (see the module docstring)
             owner, leaf = self._owner(name)
             owner._buffers[leaf] = buf.detach().to(self.device, copy=True)
@@ -222,7 +221,7 @@ class StreamedReference:
             return torch.zeros(0, dtype=torch.float32, device=token_ids.device)
         if idle:
             hidden = torch.zeros(0, dtype=torch.float32, device=token_ids.device)
-        mixer = PackedMixer(SegmentBatch(new_lens=list(seq_lens), starts=[0] * len(seq_lens))).stage(token_ids.device)
+        mixer = self.module.whole_sequence_mixer(seq_lens).stage(token_ids.device)
         num_slots = self.arena.num_slots
         with self.arena.lend(LEDGER_CONSUMER) as raw, unfused():
             slots = [s.view(torch.uint8) for s in raw]  # [slot_capacity] bytes each

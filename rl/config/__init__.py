@@ -246,9 +246,18 @@ class ParallelConfig:
     reach their experts by all-to-all); everything else stays whole on every rank. 1 = every rank
     holds every expert. Must divide the number of ranks and the model's expert count."""
 
+    context: int = 1
+    """Context parallelism: every training sequence is split over groups of this many ranks (each
+    holds its zig-zag share of the tokens: 2 of 2 x context fragments; models/context_parallel.py),
+    for the train step, the old-logprob pass and the reference alike; rollouts stay whole on each
+    rank's engine and are dealt to their context group before the update. World = data-parallel
+    ranks x context; the expert groups span both. 1 = whole sequences on every rank."""
+
     def __post_init__(self) -> None:
         if self.expert < 1:
             raise ValueError(f"parallel.expert={self.expert}, expected >= 1 (1 = no expert parallelism)")
+        if self.context < 1:
+            raise ValueError(f"parallel.context={self.context}, expected >= 1 (1 = no context parallelism)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,6 +319,10 @@ class RunConfig:
                              f"optimizer steps (experiment.iterations={self.experiment.iterations} x algo.ppo_epochs="
                              f"{self.algo.ppo_epochs} x algo.mini_batches={self.algo.mini_batches}); expected at most "
                              f"{self.optimizer_steps}, or a trainer.optimizer.total_steps that holds the warm-up")
+        if self.parallel.context > 1 and self.warmup.steps:
+            raise ValueError(f"parallel.context={self.parallel.context} with warmup.steps={self.warmup.steps}: the "
+                             f"supervised warm-up trains whole sequences on each rank; expected warmup.steps=0 "
+                             f"under context parallelism")
         if self.parallel.expert > 1:
             if self.model.num_experts % self.parallel.expert:
                 raise ValueError(f"parallel.expert={self.parallel.expert} does not divide the model's "

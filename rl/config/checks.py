@@ -47,6 +47,9 @@ def task_reads_rows(name: str) -> bool:
 def check_world(cfg, world: int) -> None:
     """The rules that depend on the number of data-parallel ranks (`world`: WORLD_SIZE at
     composition, the run's ranks when its parts are built)."""
+    if world % cfg.parallel.context:
+        raise ValueError(f"parallel.context={cfg.parallel.context} does not divide the {world} rank(s) of the run; "
+                         f"expected a divisor of the world size (world = data-parallel ranks x parallel.context)")
     if world % cfg.parallel.expert:
         raise ValueError(f"parallel.expert={cfg.parallel.expert} does not divide the {world} rank(s) of the run; "
                          f"expected a divisor of the world size (torchrun --nproc_per_node x nodes)")

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import models.mlp
+import models.model
 from models.config import ModelConfig
 from models.model import HybridLM, PackedMixer
 from models.state import SegmentBatch
@@ -232,23 +233,18 @@ def chunk_activation_peaks(model_config: ModelConfig, micro_batches: Sequence[Se
 
 def probe_activations(model_config: ModelConfig, micro_batches: Sequence[Sequence[int]], num_chunks: int,
                       dtype: torch.dtype = torch.float32, logprob_chunk_len: int = 1024,
-                      grouped_mm: bool = False, split: str = "layers", method: str = "compose") -> ActivationProbe:
-    """`chunk_activation_peaks` with the probe's cost: how many layer forwards and aten ops it ran."""
+                      grouped_mm: bool = False, split: str = "layers", method: str = "compose",
+                      context_parallel: bool = False) -> ActivationProbe:
+    """`chunk_activation_peaks` with the probe's cost: how many layer forwards and aten ops it ran.
+    context_parallel: KDA layers run their kernel as a context-parallel rank does (`_transition_columns_kda`);
+    `micro_batches` are then a rank's local lengths (rl/plan/context_memory.py)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}, expected one of {METHODS}")
-    with torch.device("meta"):
-        model = HybridLM(model_config)
-    cast_parameters(model, dtype)
-    chunked = ChunkedModel(model, num_chunks, split)
-    shadow, layer_runs = _IndexShadow(), [0]
-
-    def count(module, args) -> None:
-        layer_runs[0] += 1
-
-    hooks = [layer.mlp.register_forward_pre_hook(count) for layer in model.model.layers]  # one mlp call per layer run
+    chunked, layer_runs, hooks = _probe_model(model_config, num_chunks, dtype, split)
+    shadow = _IndexShadow()
     batches = list(dict.fromkeys(tuple(lens) for lens in micro_batches))  # the mixer follows the lengths, in order
     try:
-        with _meta_probe(shadow, grouped_mm):
+        with _meta_probe(shadow, grouped_mm, context_parallel):
             if method == "full":
                 peaks = _full_peaks(chunked, batches, logprob_chunk_len)
             else:
@@ -259,16 +255,53 @@ def probe_activations(model_config: ModelConfig, micro_batches: Sequence[Sequenc
     return ActivationProbe(peaks, layer_runs[0], shadow.num_ops, method)
 
 
+def _probe_model(model_config: ModelConfig, num_chunks: int, dtype: torch.dtype, split: str):
+    """The probed model on the meta device, chunked, with a counter of its layer forwards (one mlp
+    call per layer run) and the hooks that count (for the caller to remove)."""
+    with torch.device("meta"):
+        model = HybridLM(model_config)
+    cast_parameters(model, dtype)
+    chunked = ChunkedModel(model, num_chunks, split)
+    layer_runs = [0]
+
+    def count(module, args) -> None:
+        layer_runs[0] += 1
+
+    return chunked, layer_runs, [layer.mlp.register_forward_pre_hook(count) for layer in model.model.layers]
+
+
+def _transition_columns_kda(q, k, v, g, beta, *, chunk_len: int = 64, impl: str = "naive", **kwargs):
+    """`chunk_kda` as a context-parallel rank runs it on its fragments (models/context_parallel.py
+    `ContextParallelMixer.kda`): the values widened by K zero columns from a start state [0 | I], so
+    the final state carries the fragment's transition M beside S_local ([B, T, H, V + K] values and
+    outputs, every value-sized tensor the kernel keeps (V + K) / V as large), and the output is the
+    zero-start part plus the extra columns times the fragment's start state. Same signature and
+    results' shapes as `chunk_kda`."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    v_ext = torch.cat([v, v.new_zeros(b, t, h, dk)], dim=-1)  # [B, T, H, V + K]
+    init = torch.zeros(b, h, dk, dv + dk, dtype=torch.float32, device=q.device)  # [B, H, K, V + K]: [0 | I]
+    o, final, at = _REAL_CHUNK_KDA(q, k, v_ext, g, beta, initial_state=init, chunk_len=chunk_len, impl=impl, **kwargs)
+    start = torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)  # [B, H, K, V]: S0 from the gather
+    return o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], start), final[..., :dv], at
+
+
+_REAL_CHUNK_KDA = models.model.chunk_kda
+
+
 @contextmanager
-def _meta_probe(shadow: _IndexShadow, grouped_mm: bool) -> Iterator[None]:
-    """Meta execution with index values (`_IndexShadow`) and the MoE form of the planned device."""
+def _meta_probe(shadow: _IndexShadow, grouped_mm: bool, context_parallel: bool = False) -> Iterator[None]:
+    """Meta execution with index values (`_IndexShadow`), the MoE form of the planned device and,
+    under context parallelism, KDA's kernel with the transition columns (`_transition_columns_kda`)."""
 
     def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         align = 16 // x.element_size()  # grouped_mm_usable's stride rule (dims of 16-byte multiples)
         return grouped_mm and x.dtype == w.dtype and not (w.shape[1] % align or w.shape[2] % align)
 
+    kda = _transition_columns_kda if context_parallel else _REAL_CHUNK_KDA
     with (_FromData(shadow), shadow, warnings.catch_warnings(),
           mock.patch.object(models.mlp, "grouped_mm_usable", usable),
+          mock.patch.object(models.model, "chunk_kda", kda),
           mock.patch.object(torch, "_grouped_mm", _grouped_mm_on_meta, create=True)):
         warnings.filterwarnings("ignore", message="MoE experts: torch._grouped_mm not used")
         yield
@@ -341,6 +374,92 @@ def _meter_piece(meter: SavedTensorMeter, x: torch.Tensor, other: torch.Tensor |
                   watched["other"].nbytes() if "other" in hit else 0, out.dtype)
 
 
+@dataclass(frozen=True)
+class _StepPieces:
+    """One micro-batch's metered pieces: what `_compose_chunk_peaks` builds every chunk from."""
+
+    embedding: _Piece
+    layers: list[_Piece]
+    """Per decoder layer, the piece of its kind (one metered forward per distinct kind)."""
+    head: _Piece
+    mixer_bytes: int
+    """The staged mixer's index storage, when a layer saves it (counted once per step)."""
+
+    def extrapolate(self, other: "_StepPieces", steps: float) -> "_StepPieces":
+        """Every byte figure moved `steps` times the difference `other - self` on (an affine model of
+        pieces measured at two lengths; `affine_activations`)."""
+
+        def line(a: int, b: int) -> int:
+            return round(a + steps * (b - a))
+
+        def piece(a: _Piece, b: _Piece) -> _Piece:
+            return _Piece(line(a.peak, b.peak), line(a.kept, b.kept), line(a.input_saved, b.input_saved),
+                          line(a.other_saved, b.other_saved), a.out_dtype)
+
+        return _StepPieces(piece(self.embedding, other.embedding),
+                           [piece(a, b) for a, b in zip(self.layers, other.layers)],
+                           piece(self.head, other.head), line(self.mixer_bytes, other.mixer_bytes))
+
+
+def _measure_pieces(model: HybridLM, lens: Sequence[int], logprob_chunk_len: int) -> _StepPieces:
+    """Meter the embedding, one forward of each distinct layer kind (mixer, MLP, input dtype) and the
+    head with the loss, for one micro-batch of sequences of `lens` tokens."""
+    device = torch.device("meta")
+    hidden_size, num_tokens = model.config.hidden_size, sum(lens)
+    # what `_staged_forward` builds for this micro-batch; its index tensors are views of one storage
+    mixer = PackedMixer(SegmentBatch(new_lens=list(lens), starts=[0] * len(lens)), keep_attention=True).stage(device)
+    indices = mixer.positions(device)
+    meter = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers(), indices])  # indices: in the base
+    targets = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
+
+    def hidden(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(num_tokens, hidden_size, dtype=dtype, device=device, requires_grad=True)  # [N, D]
+
+    tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
+    embedding = _meter_piece(meter, tokens, None, model.model.embed_tokens)
+    kinds: dict[tuple, _Piece] = {}
+    layers, dtype = [], embedding.out_dtype
+    for i in range(len(model.model.layers)):
+        key = (model.config.layer_types[i], model.config.mlp_layer_types[i], dtype)
+        if key not in kinds:
+            kinds[key] = _meter_piece(meter, hidden(dtype), indices, lambda x, i=i: model.run_layer(i, x, mixer))
+        layers.append(kinds[key])
+        dtype = kinds[key].out_dtype
+    head = _meter_piece(meter, hidden(dtype), targets,
+                        lambda x: -model.packed_logprobs(model.model.norm(x), targets, logprob_chunk_len).sum())
+    return _StepPieces(embedding, layers, head, max((p.other_saved for p in kinds.values()), default=0))
+
+
+def _compose_chunk_peaks(specs, pieces: _StepPieces) -> list[int]:
+    """Every chunk's peak for one micro-batch, from its pieces (`_composed_peaks` says why)."""
+    embedding, layers, head = pieces.embedding, pieces.layers, pieces.head
+    last = len(specs) - 1
+    steps = [(p.peak, p.kept) for p in layers]
+
+    def own(spec) -> int:  # the chunk's forward, piece after piece
+        level = peak = 0
+        for piece_peak, piece_kept in (([(embedding.peak, embedding.kept)] if spec.has_embedding else [])
+                                       + [steps[i] for i in spec.layers]):
+            peak = max(peak, level + piece_peak)
+            level += piece_kept
+        return max(peak, level + head.peak) if spec.has_head else peak
+
+    def input_saved(spec) -> int:
+        return layers[spec.layers[0]].input_saved if spec.layers else head.input_saved
+
+    peaks = []
+    for c, spec in enumerate(specs):
+        base = pieces.mixer_bytes if any(s.layers for s in specs[c:]) else 0
+        if c < last:
+            base += head.other_saved + input_saved(specs[last])
+            if c + 1 < last:
+                base += input_saved(specs[c + 1])
+            elif specs[last].layers:
+                base += head.input_saved
+        peaks.append(base + own(spec))
+    return peaks
+
+
 def _composed_peaks(chunked: ChunkedModel, batches: list[tuple[int, ...]], logprob_chunk_len: int) -> list[int]:
     """The chunk peaks of `_full_peaks`, composed from one forward of each distinct layer kind.
 
@@ -356,55 +475,8 @@ def _composed_peaks(chunked: ChunkedModel, batches: list[tuple[int, ...]], logpr
     keeps the latter), and the previous chunk's `out`, until the name is rebound after chunk c's
     forward: the head chunk's output below the head chunk, else (its graph keeps it) the input of
     the chunk above. Each of those counts when an op saved it."""
-    model, specs = chunked.model, chunked.specs
-    device = torch.device("meta")
-    hidden_size, last = model.config.hidden_size, len(specs) - 1
-    peaks = [0] * len(specs)
+    peaks = [0] * len(chunked.specs)
     for lens in batches:
-        num_tokens = sum(lens)
-
-        # what `_staged_forward` builds for this micro-batch; its index tensors are views of one storage
-        mixer = PackedMixer(SegmentBatch(new_lens=list(lens), starts=[0] * len(lens)), keep_attention=True).stage(device)
-        indices = mixer.positions(device)
-        meter = SavedTensorMeter(exclude=[*model.parameters(), *model.buffers(), indices])  # indices: in the base
-        targets = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
-
-        def hidden(dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(num_tokens, hidden_size, dtype=dtype, device=device, requires_grad=True)  # [N, D]
-
-        tokens = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N]
-        embedding = _meter_piece(meter, tokens, None, model.model.embed_tokens)
-        kinds: dict[tuple, _Piece] = {}
-        layers, dtype = [], embedding.out_dtype
-        for i in range(len(model.model.layers)):
-            key = (model.config.layer_types[i], model.config.mlp_layer_types[i], dtype)
-            if key not in kinds:
-                kinds[key] = _meter_piece(meter, hidden(dtype), indices, lambda x, i=i: model.run_layer(i, x, mixer))
-            layers.append(kinds[key])
-            dtype = kinds[key].out_dtype
-        head = _meter_piece(meter, hidden(dtype), targets,
-                            lambda x: -model.packed_logprobs(model.model.norm(x), targets, logprob_chunk_len).sum())
-        mixer_bytes = max((p.other_saved for p in kinds.values()), default=0)
-        steps = [(p.peak, p.kept) for p in layers]
-
-        def own(spec) -> int:  # the chunk's forward, piece after piece
-            level = peak = 0
-            for piece_peak, piece_kept in (([(embedding.peak, embedding.kept)] if spec.has_embedding else [])
-                                           + [steps[i] for i in spec.layers]):
-                peak = max(peak, level + piece_peak)
-                level += piece_kept
-            return max(peak, level + head.peak) if spec.has_head else peak
-
-        def input_saved(spec) -> int:
-            return layers[spec.layers[0]].input_saved if spec.layers else head.input_saved
-
-        for c, spec in enumerate(specs):
-            base = mixer_bytes if any(s.layers for s in specs[c:]) else 0
-            if c < last:
-                base += head.other_saved + input_saved(specs[last])
-                if c + 1 < last:
-                    base += input_saved(specs[c + 1])
-                elif specs[last].layers:
-                    base += head.input_saved
-            peaks[c] = max(peaks[c], base + own(spec))
+        one = _compose_chunk_peaks(chunked.specs, _measure_pieces(chunked.model, lens, logprob_chunk_len))
+        peaks = [max(a, b) for a, b in zip(peaks, one)]
     return peaks

@@ -1,4 +1,4 @@
-"""The memory planner: `python -m rl.plan [cluster=<preset>] [cluster.key=value] [plan.key=value] [parallel.expert=N] <rl.train overrides>`.
+"""The memory planner: `python -m rl.plan [cluster=<preset>] [cluster.key=value] [plan.key=value] [parallel.expert=N] [parallel.context=C] <rl.train overrides>`.
 
 Composes the same config as `python -m rl.train` (configs/config.yaml, the same overrides), plus a
 cluster preset (configs/cluster/<preset>.yaml: cpu, h200x8, h200x8x2; `cluster.*` overrides),
@@ -99,7 +99,7 @@ def device_need(sizes: Sizes, phase: PhaseMemory) -> int:
 def make_plan(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions()) -> Plan:
     """The plan of `cfg` on `cluster`: sizes, per-phase bytes, a verdict per tier, the largest pool."""
     start = time.perf_counter()
-    sizes = plan_sizes(cfg, cluster, options)
+    sizes = plan_sizes(cfg, cluster, options, cfg.parallel.context)
     phases = plan_phases(cfg, sizes, cluster.world)
     ranks = cluster.gpus_per_node
     host_cap = host_capacity_bytes(cfg, cluster)
@@ -215,6 +215,13 @@ def render(plan: Plan, console: Console) -> None:
     console.print(f"activation peak: chunk {top} of {len(peaks)} ({', '.join(parts)}), "
                   f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
                   f"smallest chunk peak {fmt_bytes(min(peaks))}")
+    if sizes.context > 1:
+        b = sizes.context_buffers
+        console.print(f"context parallelism: parallel.context={sizes.context}, each rank holds 2 of {2 * sizes.context} "
+                      f"fragments of every sequence; exchange buffers per layer (inside the activation peak): KDA "
+                      f"states {fmt_bytes(b.kda_states)} + conv halos {fmt_bytes(b.kda_halos)}, MLA latents "
+                      f"{fmt_bytes(b.mla_latents)}; in flight beside them: one key block's K/V and their gradients "
+                      f"{fmt_bytes(2 * b.mla_block_kv)}")
     train = next(p for p in steady if p.phase == "train")
     console.print(f"chunk-input stash (device, train forward/backward): {fmt_bytes(sizes.chunk_input_stash)}; "
                   f"optimizer all-gather temporaries (device, optimizer step): {fmt_bytes(sizes.optimizer_gather_peak)}")

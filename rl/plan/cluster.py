@@ -56,8 +56,18 @@ class PlanOptions:
     (the worst case). Each becomes a trained sequence of seq_len - 1 tokens."""
     png: str | None = None
     """Where to draw the planned memory timeline (the run's memory.png); null = no picture."""
+    activation_probe: str = "compose"
+    """How the activation probe meters a micro-batch of one sequence (rl/plan/activation.py): "compose"
+    at its length, "affine" from two short probes on the same 1024-token lattice, equal to the byte and
+    seconds instead of minutes at 100k+ tokens (`affine_activations`). Micro-batches of several
+    sequences are probed at their lengths either way."""
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"plan.seq_len={self.seq_len}, expected >= 2 (a trained token needs a prefix)")
+        if self.activation_probe not in ACTIVATION_PROBES:
+            raise ValueError(f"plan.activation_probe={self.activation_probe!r}, expected one of {ACTIVATION_PROBES}")
+
+
+ACTIVATION_PROBES = ("compose", "affine")
 

@@ -19,6 +19,8 @@ possible the very helper, of the code that allocates it:
   the meta device for this rank's micro-batches, the MoE in the form the planned device runs
   (`moe_grouped_mm`). Under expert parallelism it is the one-rank routed path's: with balanced
   routing a rank runs as many token-expert rows for its peers as it sends them.
+- context parallelism (C > 1 ranks share every sequence): rl/plan/context_memory.py says what a
+  rank holds (its 2F = L / C tokens of each sequence and the exchange buffers).
 - device, train phase, outside the logged keys (`Sizes.train_transient`): the chunk-input stash
   of the chunk-major micro-batches and the optimizer step's all-gather temporaries.
 - device reference: a resident reference (memory.reference=resident) is a second copy of this
@@ -58,8 +60,8 @@ from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
-from rl.plan.activation import probe_activations
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
+from rl.plan.context_memory import ContextBuffers, activation_chunks, check_context, local_lens
 from rl.run.update import mini_batch_split
 from memory.tiers import with_totals
 from trainer.chunks import ChunkedModel
@@ -135,7 +137,16 @@ class Sizes:
     """The spill before the first step (no moments yet): the masters alone (a multiplexed run's first offload)."""
     layout: CacheLayout
     micro_batches: list[list[int]]
-    """This rank's trained sequence lengths per micro-batch (what the activation peak was probed on)."""
+    """This rank's trained sequence lengths per micro-batch (what the activation peak was probed on):
+    under context parallelism its local tokens of each sequence (2F)."""
+    context: int
+    """C: ranks sharing every trained sequence (1 = no context parallelism)."""
+    chunk_context_transients: list[int]
+    """Per VPP chunk, the context-parallel bytes in flight beside its saved tensors (one key block's
+    K/V and their gradients when it has an MLA layer; rl/plan/context_memory.py), zeros at C = 1."""
+    context_buffers: ContextBuffers
+    """The exchange buffers per layer of the largest micro-batch (zeros at C = 1); their saved part is
+    inside `chunk_activation_peaks`."""
 
     @property
     def num_train_tokens(self) -> int:
@@ -148,11 +159,18 @@ class Sizes:
         return pinned_bytes_rounded(self.host_pool) if self.host_pinned else 0
 
     @property
+    def activation_in_flight_peak(self) -> int:
+        """The largest chunk's saved tensors with its context-parallel transient on top (=
+        activation_peak at C = 1)."""
+        return max(p + t for p, t in zip(self.chunk_activation_peaks, self.chunk_context_transients))
+
+    @property
     def train_transient(self) -> int:
         """The train phase's device bytes above weights, slots, reference and pool at its peak: the
-        activations with the chunk-input stash (forward and backward), or the optimizer's all-gather
-        temporaries (the step, after both are gone), whichever is larger."""
-        return max(self.activation_peak + self.chunk_input_stash, self.optimizer_gather_peak)
+        activations (with a context-parallel key block in flight) and the chunk-input stash (forward
+        and backward), or the optimizer's all-gather temporaries (the step, after both are gone),
+        whichever is larger."""
+        return max(self.activation_in_flight_peak + self.chunk_input_stash, self.optimizer_gather_peak)
 
 
 def run_dtype(cfg: RunConfig) -> torch.dtype:
@@ -319,30 +337,38 @@ def moe_grouped_mm(model: HybridLM, cluster: ClusterConfig) -> bool:
     return cluster.grouped_mm_bf16 and experts.w1.dtype == torch.bfloat16
 
 
-def expert_parallel_size(cfg: RunConfig, cluster: ClusterConfig) -> int:
+def expert_parallel_size(cfg: RunConfig, cluster: ClusterConfig, context: int = 1) -> int:
     """cfg.parallel.expert, checked against the planned world (the run config checked the expert
-    count): ValueError naming the value unless it divides the cluster's ranks and the experts."""
+    count): ValueError naming the value unless it divides the cluster's ranks and the experts, and
+    (context > 1) `context` and the DP x C ranks the expert groups span (`check_context`)."""
     expert = cfg.parallel.expert
+    if context != 1:
+        check_context(context, cluster.world, expert, cluster.name)
     if expert < 1 or cluster.world % expert or cfg.model.num_experts % expert:
         raise ValueError(f"parallel.expert={expert}: expected a divisor of the world size ({cluster.world} ranks on "
                          f"cluster {cluster.name}) and of the model's expert count ({cfg.model.num_experts})")
     return expert
 
 
-def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions) -> list[list[int]]:
+def train_micro_batches(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions, context: int = 1
+                        ) -> list[list[int]]:
     """Sequence lengths of this rank's micro-batches: the rank with the most groups (ceil of the
-    global groups over the world) trains group_size trajectories per group, each of seq_len - 1
-    tokens (inputs tokens[:-1]), packed by trainer.micro_batch_tokens as the trainer does."""
+    global groups over the data-parallel replicas, world / context) trains group_size trajectories
+    per group, each of seq_len - 1 tokens (inputs tokens[:-1]), packed by trainer.micro_batch_tokens
+    as the trainer does. Unsplit lengths: `context_memory.local_lens` gives a rank's share."""
     seq_len = options.seq_len if options.seq_len is not None else cfg.engine.max_model_len
-    groups = math.ceil(cfg.rollout.groups_per_iteration / cluster.world)
+    groups = math.ceil(cfg.rollout.groups_per_iteration / (cluster.world // context))
     lens = [seq_len - 1] * (groups * cfg.algo.group_size)
-    return [[lens[i] for i in mb] for mb in micro_batches(lens, cfg.trainer.micro_batch_tokens)]
+    packed = local_lens(cfg.model, lens, context)  # the rank packs the tokens it holds
+    return [[lens[i] for i in mb] for mb in micro_batches(packed, cfg.trainer.micro_batch_tokens)]
 
 
-def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions()) -> Sizes:
-    """Every consumer's bytes for one rank of `cluster` running `cfg` (see the module docstring).
-    ValueError when cfg.parallel.expert does not divide the world size and the expert count."""
-    rank = RankParams(expert_parallel_size(cfg, cluster))
+def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = PlanOptions(), context: int = 1
+               ) -> Sizes:
+    """Every consumer's bytes for one rank of `cluster` running `cfg` with `context` ranks sharing
+    every trained sequence (see the module docstring). ValueError when cfg.parallel.expert does not
+    divide the world size and the expert count, or `context` is bad (`check_context`)."""
+    rank = RankParams(expert_parallel_size(cfg, cluster, context))
     model = meta_policy(cfg)
     world, t = cluster.world, cfg.trainer
     chunked = ChunkedModel(model, t.num_chunks, t.chunk_split)
@@ -372,10 +398,10 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         spill_files += manifest.file_bytes
         spill_payload += manifest.payload_bytes
         spill_master_files += spill_plan(f"train_states.rank0.{g.name}", {"master": states["master"]}, checksum).file_bytes
-    batches = train_micro_batches(cfg, cluster, options)
-    probe = probe_activations(cfg.model, batches, t.num_chunks, run_dtype(cfg), grouped_mm=moe_grouped_mm(model, cluster),
-                              split=t.chunk_split)
-    chunk_peaks = probe.chunk_peaks
+    batches = train_micro_batches(cfg, cluster, options, context)
+    chunk_peaks, chunk_transients, buffers, layer_runs = activation_chunks(
+        cfg, chunked, run_dtype(cfg), moe_grouped_mm(model, cluster), options, batches, context)
+    local_batches = [local_lens(cfg.model, b, context) for b in batches]
     host_pool = host_pages * layout.page_bytes
     grad_staging = 0 if cluster.device_is_host else 4 * sum(shards)
     return Sizes(
@@ -383,8 +409,8 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
         grad_slots=max(sum(g.padded for g in chunk) for chunk in groups) * 4 * t.num_grad_slots,
         activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
-        activation_layer_runs=probe.layer_runs,
-        chunk_input_stash=chunk_input_stash_bytes(chunked, step_tokens(cfg, batches)),
+        activation_layer_runs=layer_runs,
+        chunk_input_stash=chunk_input_stash_bytes(chunked, step_tokens(cfg, local_batches)),
         optimizer_gather_peak=gather_peak_bytes([g for chunk in groups for g in chunk]),
         reference_device=weights if kl and cfg.memory.reference == "resident" else 0,
         masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, num_masters),
@@ -395,7 +421,8 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         startup_host_peak=weights + 4 * sum(shards),
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
         spill_master_files=spill_master_files if cfg.memory.spill_dir is not None else 0,
-        layout=layout, micro_batches=batches)
+        layout=layout, micro_batches=local_batches, context=context, chunk_context_transients=chunk_transients,
+        context_buffers=buffers)
 
 
 @dataclass(frozen=True)

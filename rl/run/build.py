@@ -75,6 +75,8 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     torch.manual_seed(cfg.seed)
     # the same weights on every rank (the seed is the run's); under expert parallelism its experts only
     policy = initial_policy(cfg, ranks.expert_parallel).to(device)
+    # training forwards split each sequence over the context group; the engine's forwards never do
+    policy.context_parallel = ranks.context_parallel
     if engine_copy:
         with torch.device(device):  # built where it runs (its random init is overwritten at once)
             engine_model = cast_parameters(HybridLM(cfg.model, ranks.expert_parallel), cfg.experiment.torch_dtype)
@@ -120,9 +122,15 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
                       resume_from_iteration=resume_from, writer=ranks.is_writer)
     # after a warm-up the reference is its result, built once it is known (`start_from_warmup`)
     ref = (None if warm_started(cfg, resume_from)
-           else reference(cfg, initial_policy(cfg, ranks.expert_parallel), trainer, ledger))
+           else reference(cfg, _split_like(initial_policy(cfg, ranks.expert_parallel), ranks), trainer, ledger))
     return LoopParts(cfg=cfg, policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
                      ref_model=ref, ledger=ledger, store=store, ranks=ranks, evaluate=evaluate)
+
+
+def _split_like(model: HybridLM, ranks: Ranks) -> HybridLM:
+    """`model` with the run's context-parallel group: its whole-sequence forwards take this rank's share."""
+    model.context_parallel = ranks.context_parallel
+    return model
 
 
 def reference(cfg: RunConfig, model: HybridLM, trainer: Trainer, ledger: HostLedger) -> HybridLM | StreamedReference | None:
@@ -165,5 +173,5 @@ def start_from_warmup(cfg: RunConfig, parts: LoopParts, resume: bool) -> dict | 
         load_weights(weights, Path(cfg.run_dir) / "warmup", assign=False)
     else:
         weights.load_state_dict({k: v.detach().cpu() for k, v in p.policy.state_dict().items()})
-    p.ref_model = reference(cfg, weights, p.trainer, p.ledger)
+    p.ref_model = reference(cfg, _split_like(weights, p.ranks), p.trainer, p.ledger)
     return record

@@ -49,11 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.markup import escape
 
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from memory.tiers import with_totals
+from models.context_parallel import ContextParallel, ZigZagSplit
 from models.model import HybridLM
 from rl.config import RunConfig
 from rl.config.resume import resolved_config
@@ -407,7 +409,12 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
     """One policy update on this rank's groups (maybe none), the loss normalised by the global
     counts of policy tokens and sequences (`num_tokens`, `num_seqs`, summed over ranks)."""
     algo, t = p.cfg.algo, p.cfg.trainer
+    cp = p.ranks.context_parallel
+    if cp is not None:  # the context group's groups, every rank's in rank order: split over the group
+        groups = [g for rank_groups in _gather_in_group(groups, cp) for g in rank_groups]
     batch = PackedBatch(groups, algo.advantage, device=p.device)
+    if cp is not None:
+        batch = batch.shard(ZigZagSplit(batch.seq_lens, cp.size, p.cfg.model.linear_conv_kernel_dim - 1), cp.rank)
     ref = (reference_logprobs(p.ref_model, batch, t.num_chunks, t.chunk_split)
            if p.ref_model is not None and (batch.num_sequences or p.policy.expert_parallel is not None) else None)
     with p.tracker.train_progress(total_steps=1) as bar:
@@ -416,6 +423,13 @@ def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, fl
                                 mini_batches=algo.mini_batches)
         bar.advance(metrics["loss"])
     return metrics
+
+
+def _gather_in_group(groups: list, cp: ContextParallel) -> list[list]:
+    """Every context rank's finished groups (picklable trajectories), in the group's rank order."""
+    out: list = [None] * cp.size
+    dist.all_gather_object(out, groups, group=cp.group)
+    return out
 
 
 def _offload_train_state(p: LoopParts) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from models.context_parallel import ContextParallel
 from models.expert_parallel import ExpertParallel
 
 CHECKSUM_BITS = 52
@@ -47,6 +48,10 @@ class Ranks:
     expert_data_group: dist.ProcessGroup | None = None
     """The ranks holding the same experts (megatron-core's expert-data-parallel group): the experts'
     gradients are reduced over it. None without expert parallelism."""
+    context_parallel: ContextParallel | None = None
+    """This rank's context-parallel group (parallel.context > 1; megatron-core's context-parallel
+    group): the ranks that share every training sequence, each holding its zig-zag share. `group`
+    then spans data x context ranks (gradients are reduced over both). None: whole sequences here."""
 
     @property
     def expert_rank(self) -> int:
@@ -57,6 +62,15 @@ class Ranks:
     def writes_experts(self) -> bool:
         """Whether this rank writes its experts into a checkpoint: the first of the ranks holding them."""
         return self.expert_parallel is None or dist.get_rank(self.expert_data_group) == 0
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's place in its context-parallel group (0 without context parallelism)."""
+        return self.context_parallel.rank if self.context_parallel is not None else 0
+
+    @property
+    def context_size(self) -> int:
+        return self.context_parallel.size if self.context_parallel is not None else 1
 
     @property
     def is_writer(self) -> bool:
@@ -100,7 +114,7 @@ def require_same(what: str, per_rank: list) -> object:
     return per_rank[0]
 
 
-def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int = 1) -> Ranks:
+def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int = 1, context: int = 1) -> Ranks:
     """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR/PORT); one process (`Ranks(device=...)`, no process group) when WORLD_SIZE is unset or
     1. device_type "cuda": this rank's device is GPU LOCAL_RANK, made the current CUDA device (a node
@@ -110,7 +124,10 @@ def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int =
     `timeout_s` (experiment.collective_timeout_s): a collective waiting longer for a peer fails
     instead of hanging (a dead rank's peers usually fail at once: its connections close).
     `expert` (parallel.expert): megatron-core's expert_model_parallel_size; its expert model- and
-    expert-data-parallel groups become `expert_parallel` and `expert_data_group`."""
+    expert-data-parallel groups become `expert_parallel` and `expert_data_group`. `context`
+    (parallel.context): megatron-core's context_parallel_size; its group becomes `context_parallel`
+    and `group` the data-parallel group with the context ranks in it (world = DP x context; the
+    expert groups span DP x context ranks, which megatron-core folds into expert data parallelism)."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type={device_type!r}, expected 'cpu' or 'cuda'")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -126,33 +143,54 @@ def init_ranks(device_type: str = "cpu", timeout_s: float = 600.0, expert: int =
                              f"per node (torchrun --nproc_per_node) or use experiment.device=cpu")
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
-    if world % expert:
-        raise ValueError(f"parallel.expert={expert} does not divide the {world} rank(s); expected a divisor")
+    check_layout(world, expert, context)
     if world == 1:
         return Ranks(device=device)
     rank = int(os.environ["RANK"])
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     from megatron.core import parallel_state
 
-    ep, edp = expert_groups(expert)
+    ep, edp, cp = model_parallel_groups(expert, context)
     return Ranks(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
-                 group=parallel_state.get_data_parallel_group(), device=device, expert_parallel=ep,
-                 expert_data_group=edp)
+                 group=parallel_state.get_data_parallel_group(with_context_parallel=True), device=device,
+                 expert_parallel=ep, expert_data_group=edp, context_parallel=cp)
 
 
-def expert_groups(expert: int) -> tuple[ExpertParallel | None, dist.ProcessGroup | None]:
+def check_layout(world: int, expert: int, context: int) -> None:
+    """Refuse (ValueError naming the values) a layout whose product does not fit `world` ranks:
+    context must divide world (world = DP x context) and expert must divide world (the expert groups
+    span DP x context ranks)."""
+    if context < 1 or world % context:
+        raise ValueError(f"parallel.context={context} does not divide the {world} rank(s); expected a divisor "
+                         f"(world = data-parallel ranks x context)")
+    if expert < 1 or world % expert:
+        raise ValueError(f"parallel.expert={expert} does not divide the {world} rank(s); expected a divisor "
+                         f"(the expert groups span data-parallel x context ranks)")
+
+
+def model_parallel_groups(expert: int, context: int = 1
+                          ) -> tuple[ExpertParallel | None, dist.ProcessGroup | None, ContextParallel | None]:
     """Start megatron-core's parallel_state on the running process group (TP = PP = 1,
-    expert_model_parallel_size=`expert`); returns (this rank's expert-parallel group, its
-    expert-data-parallel group), both None when expert == 1. Undo with destroy_model_parallel."""
+    expert_model_parallel_size=`expert`, context_parallel_size=`context`); returns (this rank's
+    expert-parallel group, its expert-data-parallel group, its context-parallel group), each None
+    when its size is 1. Undo with destroy_model_parallel."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=expert)
+                                             expert_model_parallel_size=expert, context_parallel_size=context)
+    cp = (ContextParallel(parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank(),
+                          context) if context > 1 else None)
     if expert == 1:
-        return None, None
+        return None, None, cp
     return (ExpertParallel(parallel_state.get_expert_model_parallel_group(),
                            parallel_state.get_expert_model_parallel_rank(), expert),
-            parallel_state.get_expert_data_parallel_group())
+            parallel_state.get_expert_data_parallel_group(), cp)
+
+
+def expert_groups(expert: int) -> tuple[ExpertParallel | None, dist.ProcessGroup | None]:
+    """`model_parallel_groups` without context parallelism: (expert-parallel, expert-data-parallel)."""
+    ep, edp, _ = model_parallel_groups(expert)
+    return ep, edp
 
 
 def shutdown(ranks: Ranks) -> None:
@@ -254,8 +292,9 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         elif key.startswith(TOKEN_WEIGHTED_PREFIXES):
             weights = [m.get("train_tokens", 0.0) for m in have]
             total = sum(weights)
-            # (w / total) * v: a single rank with tokens passes its value through unchanged
-            out[key] = sum(w / total * v for w, v in zip(weights, values)) if total else float("nan")
+            # (w / total) * v: a single rank with tokens passes its value through unchanged; a rank
+            # without tokens (a context-parallel share of prompts) weighs nothing, whatever its value
+            out[key] = sum(w / total * v for w, v in zip(weights, values) if w) if total else float("nan")
         elif key in ROLLOUT_TOKEN_WEIGHTED:
             weights = [m["rollout_tokens"] for m in have]
             total = sum(weights)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from models.context_parallel import ZigZagSplit
 from models.model import HybridLM
 from rl.episodes.driver import Trajectory
 from trainer.chunks import ChunkedModel
@@ -48,9 +49,28 @@ class PackedBatch:
                                                   torch.tensor(self.seq_lens, dtype=torch.long, device=device))
         self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0, device=device)
 
+    split: ZigZagSplit | None = None
+    """Set on a context-parallel share (`shard`): how the whole sequences were cut; None = whole rows."""
+
     @property
     def num_sequences(self) -> int:
         return len(self.trajectories)
+
+    def shard(self, split: ZigZagSplit, rank: int) -> "PackedBatch":
+        """This context-parallel rank's rows of the batch (its zig-zag share of every sequence, pad
+        rows masked out): the same trajectories, `seq_lens` the local ones, every row tensor
+        sharded. Targets were shifted on the whole sequences, before the split."""
+        if split.seq_lens != self.seq_lens:
+            raise ValueError(f"split of lengths {split.seq_lens[:4]}... does not match the batch's {self.seq_lens[:4]}...")
+        out = object.__new__(PackedBatch)
+        out.trajectories, out.seq_lens, out.split = self.trajectories, split.local_lens, split
+        for name, fill in (("token_ids", 0), ("targets", 0), ("mask", False), ("behaviour", 0.0), ("versions", 0),
+                           ("seq_of_row", 0), ("advantages", 0.0)):
+            out.__dict__[name] = split.shard(getattr(self, name), rank, fill)
+        # pad rows belong to their sequence (they are masked out): each row's sequence from the lengths
+        lens = torch.tensor(split.local_lens, dtype=torch.long, device=self.token_ids.device)
+        out.seq_of_row = torch.repeat_interleave(torch.arange(len(split.local_lens), device=lens.device), lens)
+        return out
 
 
 def reference_logprobs(ref_model: HybridLM | StreamedReference, batch: PackedBatch,
@@ -118,8 +138,12 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
                                ref_logp, old))
     versions = [v for t in batch.trajectories for v, p in zip(t.versions[1:], t.policy[1:]) if p]  # host lists
     newest = max(versions, default=0)
+    # counted once over the ranks: a context-parallel share counts its own tokens, and its group's
+    # sequences on the group's first rank only
+    own_tokens = float(sum(policy_tokens)) if batch.split is None else float(batch.mask.sum())
+    counts_sequences = batch.split is None or trainer.model.context_parallel.rank == 0
     return {**_update_metrics(steps, ppo_epochs),
-            "train_tokens": float(sum(policy_tokens)), "train_sequences": float(batch.num_sequences),
+            "train_tokens": own_tokens, "train_sequences": float(batch.num_sequences) if counts_sequences else 0.0,
             "stale_token_frac": sum(v < newest for v in versions) / len(versions) if versions else 0.0}
 
 
@@ -165,7 +189,9 @@ def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[i
         nonlocal kl
         mine = [first + i for i in local]  # the mini-batch's sequences -> the batch's
         rows = rows + row0 if row0 else rows  # the trainer's rows are the mini-batch's; the batch's here
-        segments = Segments(batch.seq_of_row[rows] - mine[0], len(mine))  # [n]: 0 .. len(mine) - 1
+        whole = (None if batch.split is None  # a context-parallel share: divide by the whole sequences' counts
+                 else torch.tensor([policy_tokens[i] for i in mine], dtype=torch.float32, device=logp.device))
+        segments = Segments(batch.seq_of_row[rows] - mine[0], len(mine), whole)  # [n]: 0 .. len(mine) - 1
         old_logp = logp.detach() if old is None else old[rows]
         mask = batch.mask[rows]
         loss, metrics = rl_loss(logp, old_logp, batch.advantages[rows], mask, loss_config,
@@ -177,7 +203,8 @@ def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[i
         # Gradients are summed over micro-batches: weight this one by its share of the aggregate.
         valid = sum(policy_tokens[i] for i in mine)
         share = (valid / total_valid) if token_level else len(mine) / max(1, total_seqs)
-        parts.append((float(valid), metrics))
+        # metrics are weighted by the tokens they were taken over (a context-parallel share: its own)
+        parts.append((float(valid) if batch.split is None else metrics["num_tokens"], metrics))
         return loss * share
 
     metrics = trainer.train_step(batch.token_ids[row0:rows_end], seq_lens, batch.targets[row0:rows_end], loss_fn,

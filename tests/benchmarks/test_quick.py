@@ -25,6 +25,10 @@ LONG_CONTEXT = ["train_peak_ratio_32k_vs_8k", "train_tok_s_32k_vs_2k", "prefill_
                 *(f"scenario_{k}" for k in ("prefilled", "new", "host_bytes_stored", "host_bytes_loaded"))]
 
 KEYS = {
+    "context_parallel": ["cp2_peak_vs_cp1", "cp4_peak_vs_cp1", "cp4_max_tokens_vs_cp1", "cp2_step_time_vs_cp1",
+                         "cp_comm_bytes_vs_model", "cp_logprob_rel_err", "cp_grad_rel_err", "plan_48b_1m_tokens_fits",
+                         "plan_48b_1m_seconds", "cp4_step_time_vs_cp1", "cp4_long_peak_vs_short", "cp1_peak_mib",
+                         "length", "long_length"],
     "agentic": ["async_vs_serial_time", "same_trajectories", "tool_timeouts", "engine_busy_fraction", "serial_s",
                 "async_s", "env_calls"],
     "expert_parallel": ["ep_logits_max_abs_err", "ep_greedy_tokens_equal", "ep2_device_weight_bytes_vs_ep1",

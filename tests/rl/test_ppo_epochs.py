@@ -29,12 +29,17 @@ def make_trainer(lr: float = 1e-3, eps: float = 1e-8) -> Trainer:
     return Trainer(make_model(), TrainerConfig(num_chunks=2, optimizer=OptimizerConfig(lr=lr, eps=eps, backend="torch")))
 
 
-def make_batch() -> PackedBatch:
+def make_batch(quiet: bool = False) -> PackedBatch:
     """Two groups of four; behaviour logprobs are the model's own (+ noise on a few tokens: stale
-    ones), so the truncated IS weight is near 1 as in a run."""
+    ones), so the truncated IS weight is near 1 as in a run. quiet: policy tokens only in the first
+    and last quarter fragments of each sequence (as two context-parallel ranks cut it, fragments of
+    at least 3 tokens), so the second rank's share holds no loss token."""
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in LENS]
     policy = [[t >= n // 3 for t in range(n)] for n in LENS]
+    if quiet:
+        frags = [max(-(-(n - 1) // 4), 3) for n in LENS]
+        policy = [[t >= 1 and (t - 1 < f or t - 1 >= 3 * f) for t in range(n)] for n, f in zip(LENS, frags)]
     seq_lens = [n - 1 for n in LENS]
     flat = torch.tensor([x for t in tokens for x in t[:-1]]), torch.tensor([x for t in tokens for x in t[1:]])
     with torch.no_grad():

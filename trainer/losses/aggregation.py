@@ -17,6 +17,16 @@ class Segments(NamedTuple):
     """[N] int64, on the rows' device: each row's sequence, in [0, count)."""
     count: int
     """Number of sequences (some may own no valid row)."""
+    whole_tokens: Tensor | None = None
+    """[count] valid tokens of each *whole* sequence when these rows are only part of it (context
+    parallelism: a sequence's rows are split over ranks); None = the rows hold whole sequences. The
+    aggregations divide by these counts, so the ranks' partial losses sum to the whole one."""
+
+    def tokens(self, mask: Tensor) -> Tensor:
+        """[count] each sequence's valid-token count: `whole_tokens`, or counted from `mask` [N]."""
+        if self.whole_tokens is not None:
+            return self.whole_tokens.to(torch.float32)
+        return per_sequence(mask.to(torch.float32), self)
 
     @staticmethod
     def of_rows(shape: torch.Size, device: torch.device) -> "Segments":
@@ -43,8 +53,11 @@ def token_mean(values: Tensor, mask: Tensor, segments: Segments | None = None) -
     """Sum over valid tokens / number of valid tokens in the batch: every token weighs the same (DAPO's
     token-level loss), so long responses are not down-weighted. Either layout -> scalar.
 
-    The count is this call's; a batch split into micro-batches must rescale by its share of tokens.
+    The count is this call's (its whole sequences' under context parallelism); a batch split into
+    micro-batches must rescale by its share of tokens.
     """
+    if segments is not None and segments.whole_tokens is not None:
+        return torch.where(mask, values, 0.0).sum() / segments.whole_tokens.sum().clamp_min(1)
     return torch.where(mask, values, 0.0).sum() / mask.sum()
 
 
@@ -53,7 +66,7 @@ def seq_mean_token_mean(values: Tensor, mask: Tensor, segments: Segments | None 
     """Mean over sequences of each sequence's token mean (the original GRPO objective): every sequence
     weighs the same. Sequences without a valid token are left out of the mean. Either layout -> scalar."""
     values, mask, segments = packed(values, mask, segments)
-    num_tokens = per_sequence(mask.to(values.dtype), segments)  # [S]
+    num_tokens = segments.tokens(mask).to(values.dtype)  # [S]
     has_tokens = num_tokens > 0  # [S]
     per_seq = per_sequence(torch.where(mask, values, 0.0), segments) / num_tokens.clamp_min(1)  # [S]
     return torch.where(has_tokens, per_seq, 0.0).sum() / has_tokens.sum()  # no boolean indexing: no sync
@@ -64,5 +77,5 @@ def seq_mean_token_sum(values: Tensor, mask: Tensor, segments: Segments | None =
     """Mean over sequences of each sequence's token sum. Sequences without a valid token are left out
     of the mean. Either layout -> scalar."""
     values, mask, segments = packed(values, mask, segments)
-    has_tokens = per_sequence(mask.to(values.dtype), segments) > 0  # [S]
+    has_tokens = segments.tokens(mask) > 0  # [S]
     return torch.where(has_tokens, per_sequence(torch.where(mask, values, 0.0), segments), 0.0).sum() / has_tokens.sum()

@@ -40,11 +40,13 @@ def _count_non_finite(x: Tensor | None, where: Tensor) -> Tensor:
     return (~torch.isfinite(x) & where).sum()
 
 
-def raise_on_bad_values(counts: dict[str, float], shape: tuple[int, ...]) -> None:
-    """Raise ValueError for the first failed value check (counts from `check_inputs`, on the host)."""
+def raise_on_bad_values(counts: dict[str, float], shape: tuple[int, ...], partial: bool = False) -> None:
+    """Raise ValueError for the first failed value check (counts from `check_inputs`, on the host).
+    partial: the rows are one rank's part of whole sequences (context parallelism), which may hold no
+    valid token (a prompt's fragment) and must still take part in the step."""
     if counts["mask_not_01"]:
         raise ValueError(f"mask has {int(counts['mask_not_01'])} value(s) other than 0/1, expected a bool or 0/1 mask")
-    if not counts["mask_valid"]:
+    if not counts["mask_valid"] and not partial:
         raise ValueError(f"empty batch: mask of shape {shape} has no valid token")
     for name in CHECK_NAMES[2:]:
         if counts[name]:

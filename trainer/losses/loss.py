@@ -22,7 +22,9 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     mask: bool or 0/1, True for valid (response) tokens. Half-precision inputs are computed in fp32.
     With `segments` every input is packed instead, [N] (advantages too: one per row), and
     `segments` names each row's sequence; the padded layout is computed as its flattening, so both
-    layouts of the same tokens give the same loss.
+    layouts of the same tokens give the same loss. With `segments.whole_tokens` (context
+    parallelism: the rows are this rank's part of whole sequences) the aggregations divide by the
+    whole sequences' counts, so the ranks' losses sum to the unsplit loss.
 
     Per token: pg = policy_loss * tis_weight, tis_weight = min(exp(old_logp - behaviour_logp), tis_cap)
     (detached; 1 when behaviour_logp is None or tis_cap is None; it weights the policy term only, as
@@ -36,8 +38,9 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     configured aggregation (so loss = pg_loss + kl_coef * kl - entropy_coef * entropy); fractions
     and ratio statistics are over valid tokens.
 
-    Raises ValueError on shape mismatch, an empty batch (B = 0, T = 0 or no valid token), a mask value
-    other than 0/1, a non-finite input at a valid token, or a nonzero coefficient whose input is missing.
+    Raises ValueError on shape mismatch, an empty batch (B = 0, T = 0 or no valid token, unless the rows
+    are a context-parallel share), a mask value other than 0/1, a non-finite input at a valid token,
+    or a nonzero coefficient whose input is missing.
     """
     mask, bad_counts = check_inputs(logp, old_logp, advantages, mask, segments, behaviour_logp=behaviour_logp,
                                      ref_logp=ref_logp, entropy=entropy)
@@ -46,13 +49,11 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
         segments = Segments.of_rows(logp.shape, logp.device)
         if advantages.ndim == 1:
             advantages = advantages[:, None].expand_as(logp)  # [B, T]
-        logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy = (
-            None if x is None else x.reshape(-1)
+        logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy = (None if x is None else x.reshape(-1)
             for x in (logp, old_logp, advantages, mask, behaviour_logp, ref_logp, entropy))
     check_coefficients(config, ref_logp, entropy)
 
-    def valid(x: Tensor) -> Tensor:
-        # masked-out positions may hold anything (NaN); zero them so they cannot poison sums or grads
+    def valid(x: Tensor) -> Tensor:  # masked-out positions may hold anything (NaN): zeroed for sums and grads
         return torch.where(mask, as_float(x), 0.0)  # [N]
 
     logp, old_logp, advantages = valid(logp), valid(old_logp).detach(), valid(advantages).detach()
@@ -86,10 +87,24 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     metrics.update(loss=item(loss), pg_loss=item(pg_loss), num_tokens=item(num_tokens.float()),
                    clip_frac=frac(out.clipped), dual_clip_frac=frac(out.dual_clipped),
                    ratio_mean=item(token_mean(out.ratio, mask)), ratio_max=masked_max(out.ratio))
+    _spread_shares(metrics, segments, num_tokens)
     names = list(metrics)
     values = torch.cat([bad_counts.float(), torch.stack([metrics[n] for n in names]).to(bad_counts.device)]).tolist()
-    raise_on_bad_values(dict(zip(CHECK_NAMES, values)), shape)
+    raise_on_bad_values(dict(zip(CHECK_NAMES, values)), shape, partial=segments.whole_tokens is not None)
     return loss, dict(zip(names, values[len(CHECK_NAMES):]))
+
+
+def _spread_shares(metrics: dict[str, Tensor], segments: Segments, num_tokens: Tensor) -> None:
+    """Without `segments.whole_tokens`, nothing. With it the rows are part of whole sequences
+    (context parallelism) and the aggregates this call's share of the whole ones: loss, pg_loss, kl
+    and entropy are reported times (whole tokens / own tokens), so the ranks' values merged weighted
+    by their own tokens (as micro-batches and ranks are) sum the shares back. In place."""
+    if segments.whole_tokens is None:
+        return
+    spread = segments.whole_tokens.sum().float() / num_tokens.clamp_min(1)
+    for name in ("loss", "pg_loss", "kl", "entropy"):
+        if name in metrics:
+            metrics[name] = metrics[name] * spread
 
 
 def _metric_helpers(mask: Tensor, num_tokens: Tensor) -> tuple[Callable, Callable, Callable]:
@@ -100,7 +115,7 @@ def _metric_helpers(mask: Tensor, num_tokens: Tensor) -> tuple[Callable, Callabl
         return x.detach().float()
 
     def frac(flags: Tensor) -> Tensor:
-        return item((flags & mask).sum() / num_tokens)
+        return item((flags & mask).sum() / num_tokens.clamp_min(1))  # (0 without valid tokens: a CP share)
 
     def masked_max(x: Tensor) -> Tensor:
         return item(torch.where(mask, x, float("-inf")).max())  # no boolean indexing: no data-dependent shape
