@@ -21,7 +21,7 @@ input dtype) plus the embedding and the head, and composes every chunk from them
 (`_composed_peaks` says why that is exact): three layer forwards for the 48B instead of 53 forwards
 and 27 backwards, each of whose KDA layers loops over 128 checkpointed 64-token segments at 8k
 tokens (seconds instead of minutes). Meta tensors carry no values, and a few ops need some: token positions (`repeat_interleave`),
-expert batches of a routed MoE (`unique`, `where`), `.tolist()`. `_IndexShadow` keeps a real CPU
+expert batches of a routed MoE (`unique`, `where`), `.tolist()`. `IndexShadow` keeps a real CPU
 copy of every tensor computed only from known values (python lists, other shadowed tensors: the
 small integer index tensors) and runs those ops on the copies. Router top-k indices have no
 values on meta: they are shadowed as a balanced assignment (row n takes experts n*k .. n*k+k-1
@@ -99,7 +99,7 @@ class _FromData(TorchFunctionMode):
     """`torch.tensor(values, device="meta")` does not pass through dispatch modes: give its result
     the values it was built from (the shadow's entry point for python lists)."""
 
-    def __init__(self, shadow: "_IndexShadow") -> None:
+    def __init__(self, shadow: "IndexShadow") -> None:
         super().__init__()
         self.shadow = shadow
 
@@ -112,7 +112,7 @@ class _FromData(TorchFunctionMode):
         return out
 
 
-class _IndexShadow(TorchDispatchMode):
+class IndexShadow(TorchDispatchMode):
     """Meta execution with real values where values are known (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -240,11 +240,11 @@ def probe_activations(model_config: ModelConfig, micro_batches: Sequence[Sequenc
     `micro_batches` are then a rank's local lengths (rl/plan/context_memory.py)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}, expected one of {METHODS}")
-    chunked, layer_runs, hooks = _probe_model(model_config, num_chunks, dtype, split)
-    shadow = _IndexShadow()
+    chunked, layer_runs, hooks = probe_model(model_config, num_chunks, dtype, split)
+    shadow = IndexShadow()
     batches = list(dict.fromkeys(tuple(lens) for lens in micro_batches))  # the mixer follows the lengths, in order
     try:
-        with _meta_probe(shadow, grouped_mm, context_parallel):
+        with meta_probe(shadow, grouped_mm, context_parallel):
             if method == "full":
                 peaks = _full_peaks(chunked, batches, logprob_chunk_len)
             else:
@@ -255,7 +255,7 @@ def probe_activations(model_config: ModelConfig, micro_batches: Sequence[Sequenc
     return ActivationProbe(peaks, layer_runs[0], shadow.num_ops, method)
 
 
-def _probe_model(model_config: ModelConfig, num_chunks: int, dtype: torch.dtype, split: str):
+def probe_model(model_config: ModelConfig, num_chunks: int, dtype: torch.dtype, split: str):
     """The probed model on the meta device, chunked, with a counter of its layer forwards (one mlp
     call per layer run) and the hooks that count (for the caller to remove)."""
     with torch.device("meta"):
@@ -290,8 +290,8 @@ _REAL_CHUNK_KDA = models.model.chunk_kda
 
 
 @contextmanager
-def _meta_probe(shadow: _IndexShadow, grouped_mm: bool, context_parallel: bool = False) -> Iterator[None]:
-    """Meta execution with index values (`_IndexShadow`), the MoE form of the planned device and,
+def meta_probe(shadow: IndexShadow, grouped_mm: bool, context_parallel: bool = False) -> Iterator[None]:
+    """Meta execution with index values (`IndexShadow`), the MoE form of the planned device and,
     under context parallelism, KDA's kernel with the transition columns (`_transition_columns_kda`)."""
 
     def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -376,7 +376,7 @@ def _meter_piece(meter: SavedTensorMeter, x: torch.Tensor, other: torch.Tensor |
 
 @dataclass(frozen=True)
 class _StepPieces:
-    """One micro-batch's metered pieces: what `_compose_chunk_peaks` builds every chunk from."""
+    """One micro-batch's metered pieces: what `compose_chunk_peaks` builds every chunk from."""
 
     embedding: _Piece
     layers: list[_Piece]
@@ -401,7 +401,7 @@ class _StepPieces:
                            piece(self.head, other.head), line(self.mixer_bytes, other.mixer_bytes))
 
 
-def _measure_pieces(model: HybridLM, lens: Sequence[int], logprob_chunk_len: int) -> _StepPieces:
+def measure_pieces(model: HybridLM, lens: Sequence[int], logprob_chunk_len: int) -> _StepPieces:
     """Meter the embedding, one forward of each distinct layer kind (mixer, MLP, input dtype) and the
     head with the loss, for one micro-batch of sequences of `lens` tokens."""
     device = torch.device("meta")
@@ -430,7 +430,7 @@ def _measure_pieces(model: HybridLM, lens: Sequence[int], logprob_chunk_len: int
     return _StepPieces(embedding, layers, head, max((p.other_saved for p in kinds.values()), default=0))
 
 
-def _compose_chunk_peaks(specs, pieces: _StepPieces) -> list[int]:
+def compose_chunk_peaks(specs, pieces: _StepPieces) -> list[int]:
     """Every chunk's peak for one micro-batch, from its pieces (`_composed_peaks` says why)."""
     embedding, layers, head = pieces.embedding, pieces.layers, pieces.head
     last = len(specs) - 1
@@ -477,6 +477,6 @@ def _composed_peaks(chunked: ChunkedModel, batches: list[tuple[int, ...]], logpr
     the chunk above. Each of those counts when an op saved it."""
     peaks = [0] * len(chunked.specs)
     for lens in batches:
-        one = _compose_chunk_peaks(chunked.specs, _measure_pieces(chunked.model, lens, logprob_chunk_len))
+        one = compose_chunk_peaks(chunked.specs, measure_pieces(chunked.model, lens, logprob_chunk_len))
         peaks = [max(a, b) for a, b in zip(peaks, one)]
     return peaks

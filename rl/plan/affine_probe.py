@@ -12,8 +12,8 @@ import math
 import torch
 
 from models.config import ModelConfig
-from rl.plan.activation import (ActivationProbe, _compose_chunk_peaks, _IndexShadow, _measure_pieces, _meta_probe,
-                                _probe_model, probe_activations)
+from rl.plan.activation import (ActivationProbe, compose_chunk_peaks, IndexShadow, measure_pieces, meta_probe,
+                                probe_model, probe_activations)
 
 
 AFFINE_MIN_PERIODS = 2
@@ -33,7 +33,7 @@ def affine_activations(model_config: ModelConfig, seq_len: int, num_chunks: int,
     """`probe_activations` for micro-batches of one sequence of `seq_len` tokens each, from two short
     probes instead of one at seq_len (whose cost grows with its KDA segments: minutes at 256k tokens).
 
-    Why it is exact. Every piece `_measure_pieces` meters (the embedding, each layer kind, the head)
+    Why it is exact. Every piece `measure_pieces` meters (the embedding, each layer kind, the head)
     holds tensors whose sizes are linear in the tokens, plus per-segment KDA states and per-chunk
     logprob pieces, which grow by the same bytes every `affine_period` tokens. So on the lattice
     n = r + m * period (r = seq_len mod period) each piece's peak and kept bytes are affine in m:
@@ -47,15 +47,15 @@ def affine_activations(model_config: ModelConfig, seq_len: int, num_chunks: int,
     if seq_len <= low + period or padded_experts(model_config, grouped_mm):
         return probe_activations(model_config, [[seq_len]], num_chunks, dtype, logprob_chunk_len, grouped_mm, split,
                                  context_parallel=context_parallel)
-    chunked, layer_runs, hooks = _probe_model(model_config, num_chunks, dtype, split)
-    shadow = _IndexShadow()
+    chunked, layer_runs, hooks = probe_model(model_config, num_chunks, dtype, split)
+    shadow = IndexShadow()
     try:
-        with _meta_probe(shadow, grouped_mm, context_parallel):
-            a, b = (_measure_pieces(chunked.model, [n], logprob_chunk_len) for n in (low, low + period))
+        with meta_probe(shadow, grouped_mm, context_parallel):
+            a, b = (measure_pieces(chunked.model, [n], logprob_chunk_len) for n in (low, low + period))
     finally:
         for hook in hooks:
             hook.remove()
-    peaks = _compose_chunk_peaks(chunked.specs, a.extrapolate(b, (seq_len - low) // period))
+    peaks = compose_chunk_peaks(chunked.specs, a.extrapolate(b, (seq_len - low) // period))
     return ActivationProbe(peaks, layer_runs[0], shadow.num_ops, "affine")
 
 

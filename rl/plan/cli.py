@@ -174,29 +174,7 @@ def render(plan: Plan, console: Console) -> None:
                   f"engine.pool_mb={cfg.engine.pool_mb}, memory.reference={cfg.memory.reference}, "
                   f"memory.spill_dir={cfg.memory.spill_dir}, {sizes.num_train_tokens:,} trained tokens per rank "
                   f"(micro_batch_tokens={cfg.trainer.micro_batch_tokens})")
-    peak = max(v for p in steady for v in p.memory.values())
-    unit, scale = ("GiB", GIB) if peak >= GIB else ("MiB", 1 << 20)
-    table = Table(title=f"{unit} per rank by phase (steady-state iteration)")
-    table.add_column("tier")
-    table.add_column("consumer")
-    for p in steady:
-        table.add_column(p.phase, justify="right")
-
-    def cells(values, bold: bool = False) -> list[str]:
-        return [(f"[bold]{v / scale:,.2f}[/bold]" if bold else f"{v / scale:,.2f}") if v else "0" for v in values]
-
-    for tier, keys in (("device", DEVICE_KEYS), ("host", HOST_KEYS), ("disk", DISK_KEYS)):
-        for key in keys:
-            table.add_row(tier, key.removeprefix(f"{tier}_") + ("*" if key == "host_parked" else ""),
-                          *cells(p.memory[key] for p in steady))
-        table.add_row(tier, "[bold]total[/bold]", *cells((p.memory[f"{tier}_total"] for p in steady), bold=True),
-                      end_section=cluster.gpus_per_node == 1 or tier == "device")
-        if tier != "device" and cluster.gpus_per_node > 1:
-            table.add_row(tier, f"x {cluster.gpus_per_node} ranks (node)",
-                          *cells(cluster.gpus_per_node * p.memory[f"{tier}_total"] for p in steady), end_section=True)
-    table.caption = ("activation_peak: autograd's saved tensors, largest chunk x micro-batch (rl/plan/activation.py); "
-                     "*parked: an upper bound, inside pool")
-    console.print(table)
+    console.print(_phase_table(plan, steady))
     for v in plan.verdicts:
         scope = {"device": "per GPU", "pool": f"one sequence of max_model_len={cfg.engine.max_model_len:,}",
                  "startup": "host per node, start-up or resume"}.get(v.tier, "per node")
@@ -206,22 +184,7 @@ def render(plan: Plan, console: Console) -> None:
         else:
             console.print(f"[red]{v.tier} ({scope}): does not fit[/red]: {fmt_bytes(v.need_bytes)} in {v.phase}, "
                           f"{fmt_bytes(v.capacity_bytes)} available ({fmt_bytes(v.need_bytes - v.capacity_bytes)} short)")
-    peaks = sizes.chunk_activation_peaks
-    spec = chunk_specs(meta_policy(cfg), cfg.trainer.num_chunks, cfg.trainer.chunk_split)[(top := peaks.index(max(peaks)))]
-    layers = spec.layers
-    parts = ([f"layers {layers.start}-{layers.stop - 1}: " + ", ".join(
-        f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)] if layers else [])
-    parts += (["head"] if spec.has_head else []) + (["embedding"] if spec.has_embedding else [])
-    console.print(f"activation peak: chunk {top} of {len(peaks)} ({', '.join(parts)}), "
-                  f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
-                  f"smallest chunk peak {fmt_bytes(min(peaks))}")
-    if sizes.context > 1:
-        b = sizes.context_buffers
-        console.print(f"context parallelism: parallel.context={sizes.context}, each rank holds 2 of {2 * sizes.context} "
-                      f"fragments of every sequence; exchange buffers per layer (inside the activation peak): KDA "
-                      f"states {fmt_bytes(b.kda_states)} + conv halos {fmt_bytes(b.kda_halos)}, MLA latents "
-                      f"{fmt_bytes(b.mla_latents)}; in flight beside them: one key block's K/V and their gradients "
-                      f"{fmt_bytes(2 * b.mla_block_kv)}")
+    _render_activations(plan, console)
     train = next(p for p in steady if p.phase == "train")
     console.print(f"chunk-input stash (device, train forward/backward): {fmt_bytes(sizes.chunk_input_stash)}; "
                   f"optimizer all-gather temporaries (device, optimizer step): {fmt_bytes(sizes.optimizer_gather_peak)}")
@@ -249,6 +212,55 @@ def render(plan: Plan, console: Console) -> None:
         seconds = cluster.gpus_per_node * sizes.spill_payload / (cluster.nvme_gb_s * 1e9)
         console.print(f"NVMe: {fmt_bytes(sizes.spill_payload)} spilled per rank per iteration, ~{seconds:.1f} s each "
                       f"way for the node's {cluster.gpus_per_node} ranks at {cluster.nvme_gb_s} GB/s")
+
+
+def _phase_table(plan: Plan, steady: list) -> Table:
+    """The per-phase table of one rank's bytes by tier and consumer."""
+    cluster = plan.cluster
+    peak = max(v for p in steady for v in p.memory.values())
+    unit, scale = ("GiB", GIB) if peak >= GIB else ("MiB", 1 << 20)
+    table = Table(title=f"{unit} per rank by phase (steady-state iteration)")
+    table.add_column("tier")
+    table.add_column("consumer")
+    for p in steady:
+        table.add_column(p.phase, justify="right")
+
+    def cells(values, bold: bool = False) -> list[str]:
+        return [(f"[bold]{v / scale:,.2f}[/bold]" if bold else f"{v / scale:,.2f}") if v else "0" for v in values]
+
+    for tier, keys in (("device", DEVICE_KEYS), ("host", HOST_KEYS), ("disk", DISK_KEYS)):
+        for key in keys:
+            table.add_row(tier, key.removeprefix(f"{tier}_") + ("*" if key == "host_parked" else ""),
+                          *cells(p.memory[key] for p in steady))
+        table.add_row(tier, "[bold]total[/bold]", *cells((p.memory[f"{tier}_total"] for p in steady), bold=True),
+                      end_section=cluster.gpus_per_node == 1 or tier == "device")
+        if tier != "device" and cluster.gpus_per_node > 1:
+            table.add_row(tier, f"x {cluster.gpus_per_node} ranks (node)",
+                          *cells(cluster.gpus_per_node * p.memory[f"{tier}_total"] for p in steady), end_section=True)
+    table.caption = ("activation_peak: autograd's saved tensors, largest chunk x micro-batch (rl/plan/activation.py); "
+                     "*parked: an upper bound, inside pool")
+    return table
+
+
+def _render_activations(plan: Plan, console: Console) -> None:
+    """The chunk holding the activation peak and, under context parallelism, its exchange buffers."""
+    cfg, sizes = plan.cfg, plan.sizes
+    peaks = sizes.chunk_activation_peaks
+    spec = chunk_specs(meta_policy(cfg), cfg.trainer.num_chunks, cfg.trainer.chunk_split)[(top := peaks.index(max(peaks)))]
+    layers = spec.layers
+    parts = ([f"layers {layers.start}-{layers.stop - 1}: " + ", ".join(
+        f"{cfg.model.layer_types[i]}+{cfg.model.mlp_layer_types[i]}" for i in layers)] if layers else [])
+    parts += (["head"] if spec.has_head else []) + (["embedding"] if spec.has_embedding else [])
+    console.print(f"activation peak: chunk {top} of {len(peaks)} ({', '.join(parts)}), "
+                  f"{fmt_bytes(peaks[top])} for micro-batches of {_tokens(max(sum(b) for b in sizes.micro_batches))}; "
+                  f"smallest chunk peak {fmt_bytes(min(peaks))}")
+    if sizes.context > 1:
+        b = sizes.context_buffers
+        console.print(f"context parallelism: parallel.context={sizes.context}, each rank holds 2 of {2 * sizes.context} "
+                      f"fragments of every sequence; exchange buffers per layer (inside the activation peak): KDA "
+                      f"states {fmt_bytes(b.kda_states)} + conv halos {fmt_bytes(b.kda_halos)}, MLA latents "
+                      f"{fmt_bytes(b.mla_latents)}; in flight beside them: one key block's K/V and their gradients "
+                      f"{fmt_bytes(2 * b.mla_block_kv)}")
 
 
 def _tokens(n: int) -> str:
