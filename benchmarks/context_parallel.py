@@ -14,13 +14,19 @@ context group's collectives (`ContextParallel.sent_bytes`) vs the analytic count
 (`models.context_parallel.comm_bytes`: one forward and backward of every layer, plus the graph-free
 forward the step runs for every chunk but the last). Accuracy: per-token logprobs and every parameter's gradient
 of a `--check-length` batch of uneven sequences at C = 2 vs one rank (relative to their scale).
-The sequential state hand-off (LASP-1) is not run: with it rank r waits for ranks < r in every KDA
-layer, forward and backward, where the gather here costs one collective per layer whatever C.
-Nothing here ran on a GPU.
+The sequential state hand-off (LASP-1) against the gather, at C = 2 and 4 on `--length` tokens: one
+KDA layer's forward (no graph) over the same sharded input, timed both ways (best of
+`HANDOFF_REPEATS`) and compared: with the hand-off, fragment j starts only once fragment j-1's end
+state and conv tail have reached its owner (2C dependent steps, one send each); with the gather
+every rank runs its two fragments at once (K extra value columns carry M) and chains the gathered
+[S_local | M]. Forward only: the backward's reverse hand-off has the same shape. Nothing here ran on
+a GPU.
 
 Last line: cp2_peak_vs_cp1= cp4_peak_vs_cp1= cp4_max_tokens_vs_cp1= cp2_step_time_vs_cp1=
 cp_comm_bytes_vs_model= (targets <= 0.6, <= 0.35, >= 3.5, <= 0.75 reported, 0.9-1.1) cp_logprob_rel_err=
-cp_grad_rel_err= plan_48b_1m_tokens_fits= plan_48b_1m_seconds=, then the measured figures.
+cp_grad_rel_err= plan_48b_1m_tokens_fits= plan_48b_1m_seconds=, cp2_kda_gather_vs_handoff_time=
+cp4_kda_gather_vs_handoff_time= kda_handoff_rel_err= mla_ring_vs_latent_bytes_48b=
+mla_ring_vs_latent_bytes_tiny= (analytic), then the measured figures.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ from benchmarks import parse_args
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_LENS_FRACTIONS = (0.55, 0.3, 0.15)
 """The accuracy batch: three uneven sequences sharing `--check-length` tokens."""
+HANDOFF_REPEATS = 3
+"""Timed forwards of each KDA path (the best one counts: the ranks share the host's cores)."""
 
 
 def _config():
@@ -51,12 +59,15 @@ def _sequence(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (length + 1,), generator=torch.Generator().manual_seed(seed))
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, length: int, check_lens: list[int]) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, length: int, check_lens: list[int],
+            handoff: bool) -> None:
     torch.set_num_threads(max(1, 2 // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         out = _measure(rank, world, length, check_lens)
+        if handoff:
+            out.update(_kda_paths(rank, world, length))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if world > 1:
@@ -121,9 +132,67 @@ def _accuracy(config, cp, rank: int, world: int, seq_lens: list[int]) -> dict:
     return {"logp": logp.detach(), "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def _run(world: int, length: int, check_lens: list[int]) -> list[dict]:
+def _sequential_kda(layer, x: torch.Tensor, fragment_len: int, cp) -> torch.Tensor:
+    """One KDA layer over this rank's two fragments by the sequential hand-off (LASP-1): fragment j
+    runs from fragment j-1's end state and conv tail, received from its owner (none for j = 0)."""
+    from kernels.kda.chunk import chunk_kda
+
+    mixed, g, beta, gate = layer.project(x)
+    halo_len, heads, dk = layer.kernel - 1, layer.num_heads, layer.head_dim
+    state, tail = torch.zeros(heads, dk, dk), torch.zeros(halo_len, mixed.shape[-1], dtype=mixed.dtype)
+    outs = {}
+    for j in range(2 * cp.size):
+        owner, slot = cp.fragment_owner(j)
+        previous = cp.fragment_owner(j - 1)[0] if j else owner
+        if owner != cp.rank:
+            if previous == cp.rank:  # this rank ran fragment j - 1 last: hand its end off
+                dist.send(state, owner)
+                dist.send(tail, owner)
+            continue
+        if previous != cp.rank:
+            dist.recv(state, previous)
+            dist.recv(tail, previous)
+        rows = slice(slot * fragment_len, (slot + 1) * fragment_len)
+        q, k, v, _ = layer.short_conv(mixed[rows][None], tail[None])
+        o, final, _ = chunk_kda(q, k, v, g[rows][None], beta[rows][None], initial_state=state[None],
+                                chunk_len=min(64, fragment_len), impl="naive")
+        outs[slot], state, tail = o[0], final[0].contiguous(), mixed[rows][-halo_len:].contiguous()
+    return layer.output(torch.cat([outs[0], outs[1]]), gate)
+
+
+@torch.no_grad()
+def _kda_paths(rank: int, world: int, length: int) -> dict:
+    """Seconds of one KDA layer's forward by the gather and by the hand-off, and their outputs."""
+    from models.context_parallel import ContextParallel, ZigZagSplit
+    from models.model import HybridLM
+
+    config = _config()
+    cp = ContextParallel(dist.group.WORLD, rank, world)
+    model = HybridLM(config, context_parallel=cp).init_weights(seed=1)
+    index = config.layer_types.index("kda")
+    layer = model.model.layers[index].self_attn
+    split = ZigZagSplit([length], world, config.linear_conv_kernel_dim - 1)
+    x = split.shard(torch.randn(length, config.hidden_size, generator=torch.Generator().manual_seed(3)), rank)
+    mixer = model.whole_sequence_mixer(split.local_lens)
+    paths = {"gather": lambda: mixer.kda(index, layer, x),
+             "handoff": lambda: _sequential_kda(layer, x, split.local_lens[0] // 2, cp)}
+    out: dict = {}
+    for name, run in paths.items():
+        best = float("inf")
+        for _ in range(HANDOFF_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            y = run()
+            dist.barrier()  # a path's time is its slowest rank's
+            best = min(best, time.perf_counter() - start)
+        out[f"kda_{name}_s"], out[f"kda_{name}_out"] = best, y
+    return out
+
+
+def _run(world: int, length: int, check_lens: list[int], handoff: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, length, check_lens), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, length, check_lens, handoff), nprocs=world,
+                 join=True)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -137,6 +206,16 @@ def _errors(one: dict, ranks: list[dict], seq_lens: list[int], size: int) -> tup
     grad_err = max(((sum(r["grads"][n] for r in ranks).double() - g.double()).norm() / g.double().norm()).item()
                    for n, g in one["grads"].items() if g.norm() > 0)
     return logp_err, grad_err
+
+
+def _ring_vs_latent_bytes(config) -> float:
+    """Bytes a rank sends per local token and MLA layer by a ring of up-projected K/V blocks over
+    those of the latent gather (analytic; no ring is built here). Both hand every local token to the
+    C-1 other ranks, forward and backward (the ring's dK/dV travel back as the gather's latent
+    gradients do), so the ratio is per token: H x (d_nope + d_v) + d_rope (the RoPE key is shared by
+    the heads, counted once) over d_c + d_rope."""
+    ring = config.num_attention_heads * (config.qk_nope_head_dim + config.v_head_dim) + config.qk_rope_head_dim
+    return ring / config.mla_latent_dim
 
 
 def _plan_1m() -> tuple[int, float, str]:
@@ -161,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     for world, length, check in ((1, args.length, check_lens), (2, args.length, check_lens), (4, args.length, []),
                                  (4, args.long_length, [])):
         start = time.perf_counter()
-        runs[(world, length)] = _run(world, length, check)
+        runs[(world, length)] = _run(world, length, check, handoff=world > 1 and length == args.length)
         r = runs[(world, length)]
         print(f"C={world} length={length}: peak per rank {max(x['peak'] for x in r) / 2**20:.1f} MiB, step "
               f"{max(x['step_s'] for x in r):.2f} s (run {time.perf_counter() - start:.0f} s)", flush=True)
@@ -174,11 +253,24 @@ def main(argv: list[str] | None = None) -> None:
     analytic = sum(x["analytic_bytes"] for r in (two, four, long4) for x in r)
     logp_err, grad_err = _errors(one[0], two, check_lens, 2)
     fits, seconds, shown = _plan_1m()
+    from models.config import load_model_config
+
+    ring_48b = _ring_vs_latent_bytes(load_model_config(ROOT / "configs/model/kimi_linear_48b_a3b.yaml"))
     step = {c: max(x["step_s"] for x in r) for c, r in ((1, one), (2, two), (4, four))}
+    handoff = {c: r[0]["kda_gather_s"] / r[0]["kda_handoff_s"] for c, r in ((2, two), (4, four))}
+    handoff_err = max((x["kda_gather_out"].double() - x["kda_handoff_out"].double()).abs().max().item()
+                      / max(y["kda_handoff_out"].double().abs().max().item() for y in r)
+                      for r in (two, four) for x in r)
+    for c, r in ((2, two), (4, four)):
+        print(f"C={c} one KDA layer forward at {args.length} tokens: gather {r[0]['kda_gather_s']:.3f} s, "
+              f"sequential hand-off {r[0]['kda_handoff_s']:.3f} s", flush=True)
     print(f"cp2_peak_vs_cp1={peak[2] / peak[1]:.3f} cp4_peak_vs_cp1={peak[4] / peak[1]:.3f} "
           f"cp4_max_tokens_vs_cp1={max_tokens4 / args.length:.2f} cp2_step_time_vs_cp1={step[2] / step[1]:.3f} "
           f"cp_comm_bytes_vs_model={sent / analytic:.4f} cp_logprob_rel_err={logp_err:.2e} "
           f"cp_grad_rel_err={grad_err:.2e} plan_48b_1m_tokens_fits={fits} plan_48b_1m_seconds={seconds:.1f} "
+          f"cp2_kda_gather_vs_handoff_time={handoff[2]:.3f} cp4_kda_gather_vs_handoff_time={handoff[4]:.3f} "
+          f"kda_handoff_rel_err={handoff_err:.2e} mla_ring_vs_latent_bytes_48b={ring_48b:.1f} "
+          f"mla_ring_vs_latent_bytes_tiny={_ring_vs_latent_bytes(_config()):.1f} "
           f"cp4_step_time_vs_cp1={step[4] / step[1]:.3f} cp4_long_peak_vs_short={peak_long4 / peak[4]:.3f} "
           f"cp1_peak_mib={peak[1] / 2**20:.1f} length={args.length} long_length={args.long_length} {shown}")
 
