@@ -487,13 +487,13 @@ def test_bad_mask_and_missing_inputs():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("clip_eps_low", 1.0, r"clip_eps_low=1.0, expected a value in \[0, 1\)"),
+    ("clip_eps_low", 1.5, r"clip_eps_low=1.5, expected a value in \[0, 1\]"),
     ("clip_eps_high", 0.0, r"clip_eps_high=0.0, expected a finite value > 0"),
     ("dual_clip_c", 1.0, r"dual_clip_c=1.0, expected None or a finite value > 1"),
     ("kl_coef", -0.1, r"kl_coef=-0.1, expected a finite value >= 0"),
     ("entropy_coef", float("nan"), r"entropy_coef=nan"),
     ("tis_cap", 0.5, r"tis_cap=0.5, expected None \(off\) or a finite value >= 1"),
-    ("policy_loss", "grpo", r"unknown policy_loss 'grpo', expected one of \['pg', 'ppo'"),
+    ("policy_loss", "grpo", r"unknown policy_loss 'grpo', expected one of \[.cispo., .gspo., .pg., .ppo."),
 ])
 def test_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -1,7 +1,9 @@
 """RL losses: group advantages, per-token policy losses, KL estimators, aggregation, one entry point.
 
-One file per kind: `registry.py` (register, lookup), `advantages.py`, `policy.py`, `kl.py`, `aggregation.py`
-(with the layouts), `config.py` (LossConfig), `loss.py` (rl_loss), `checks.py` (its input validation).
+One file per kind: `registry.py` (register, lookup), `advantages.py` (outcome-level: grpo, rloo), `returns.py`
+(token-level: REINFORCE++, its group-baseline form, GAE; whitening), `policy.py` (ppo, pg, gspo, cispo), `kl.py`,
+`aggregation.py` (with the layouts), `correction.py` (rollout correction: truncated or masked IS), `value.py`
+(the critic's clipped value loss), `config.py` (LossConfig), `loss.py` (rl_loss), `checks.py` (its inputs').
 
 Every algorithm is a pure function registered by name in one of four registries (`register`,
 `lookup`); `LossConfig` names the ones `rl_loss` uses, so a new variant is a new registered function,
@@ -29,13 +31,21 @@ Words: a *valid* token is a response token with mask 1; padding and prompt token
 may hold any value, NaN included (they are replaced by 0 before any arithmetic).
 """
 from trainer.losses.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, lookup, register
-from trainer.losses.aggregation import Segments, seq_mean_token_mean, seq_mean_token_sum, token_mean
+from trainer.losses.aggregation import (Segments, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm,
+                                       token_mean)
 from trainer.losses.advantages import grpo_advantages, rloo_advantages
+from trainer.losses.returns import (TokenRewards, discounted_returns, gae, gae_advantages, reinforce_plus_plus,
+                                    reinforce_plus_plus_baseline, sequence_returns, token_level_rewards, whiten)
 from trainer.losses.kl import kl_k1, kl_k2, kl_k3
 from trainer.losses.config import LossConfig
-from trainer.losses.policy import PolicyLossOutput, importance_weighted_pg_loss, ppo_clip_loss
+from trainer.losses.policy import PolicyLossOutput, cispo_loss, gspo_loss, importance_weighted_pg_loss, ppo_clip_loss
+from trainer.losses.correction import rollout_weights
+from trainer.losses.value import value_loss
 from trainer.losses.loss import rl_loss
 
 __all__ = ["ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "LossConfig", "PolicyLossOutput", "Segments",
-           "grpo_advantages", "importance_weighted_pg_loss", "kl_k1", "kl_k2", "kl_k3", "lookup", "ppo_clip_loss",
-           "register", "rl_loss", "rloo_advantages", "seq_mean_token_mean", "seq_mean_token_sum", "token_mean"]
+           "TokenRewards", "cispo_loss", "discounted_returns", "gae", "gae_advantages", "grpo_advantages", "gspo_loss",
+           "importance_weighted_pg_loss", "kl_k1", "kl_k2", "kl_k3", "lookup", "ppo_clip_loss", "register",
+           "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rl_loss", "rloo_advantages", "rollout_weights",
+           "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "sequence_returns", "token_level_rewards",
+           "token_mean", "value_loss", "whiten"]

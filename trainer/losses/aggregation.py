@@ -79,3 +79,17 @@ def seq_mean_token_sum(values: Tensor, mask: Tensor, segments: Segments | None =
     values, mask, segments = packed(values, mask, segments)
     has_tokens = segments.tokens(mask) > 0  # [S]
     return torch.where(has_tokens, per_sequence(torch.where(mask, values, 0.0), segments), 0.0).sum() / has_tokens.sum()
+
+
+@register("aggregation", "seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(values: Tensor, mask: Tensor, segments: Segments | None = None, *,
+                            norm_tokens: int | None = None) -> Tensor:
+    """Dr. GRPO's aggregation (arXiv:2503.20783 §3.1; verl's "seq-mean-token-sum-norm"): the sum over
+    valid tokens / (sequences with a valid token x `norm_tokens`), a constant normaliser (the generation
+    budget) in place of each response's length, so no length bias. `norm_tokens` None = the longest
+    sequence's rows in this call (verl's default, mask.shape[-1]). Either layout -> scalar."""
+    values, mask, segments = packed(values, mask, segments)
+    has_tokens = segments.tokens(mask) > 0  # [S]
+    if norm_tokens is None:
+        norm_tokens = int(torch.bincount(segments.ids, minlength=segments.count).max()) if segments.count else 1
+    return torch.where(mask, values, 0.0).sum() / (has_tokens.sum() * norm_tokens)

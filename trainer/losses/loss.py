@@ -1,6 +1,7 @@
 """`rl_loss`: the one entry point combining a policy loss, truncated IS, a KL term and an entropy bonus."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -9,6 +10,7 @@ from torch import Tensor
 from trainer.losses.aggregation import Segments, token_mean
 from trainer.losses.checks import CHECK_NAMES, as_float, check_coefficients, check_inputs, raise_on_bad_values
 from trainer.losses.config import LossConfig
+from trainer.losses.correction import rollout_weights
 from trainer.losses.registry import lookup
 
 
@@ -26,9 +28,10 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     parallelism: the rows are this rank's part of whole sequences) the aggregations divide by the
     whole sequences' counts, so the ranks' losses sum to the unsplit loss.
 
-    Per token: pg = policy_loss * tis_weight, tis_weight = min(exp(old_logp - behaviour_logp), tis_cap)
-    (detached; 1 when behaviour_logp is None or tis_cap is None; it weights the policy term only, as
-    verl); kl = kl_estimator(logp, ref_logp); the loss is
+    Per token: pg = policy_loss * tis_weight, tis_weight the rollout correction's weight of
+    exp(old_logp - behaviour_logp) (trainer/losses/correction.py: truncated or masked, per token or per
+    sequence; detached; 1 when behaviour_logp is None or tis_cap is None; it weights the policy term
+    only, as verl); kl = kl_estimator(logp, ref_logp); the loss is
         aggregate(pg) + kl_coef * aggregate(kl) - entropy_coef * aggregate(entropy).
     Gradients flow through logp and entropy only. Nothing is mutated.
 
@@ -58,6 +61,8 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
 
     logp, old_logp, advantages = valid(logp), valid(old_logp).detach(), valid(advantages).detach()
     chosen = lookup("aggregation", config.aggregation)
+    if config.aggregation == "seq-mean-token-sum-norm":
+        chosen = functools.partial(chosen, norm_tokens=config.agg_norm_tokens)
 
     def aggregate(values: Tensor, where: Tensor) -> Tensor:
         return chosen(values, where, segments)
@@ -65,15 +70,13 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     num_tokens = mask.sum()
     item, frac, masked_max = _metric_helpers(mask, num_tokens)
 
-    out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config)
+    out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config, mask=mask, segments=segments)
     pg = out.loss  # [N]
     metrics: dict[str, Tensor] = {}
     if behaviour_logp is not None and config.tis_cap is not None:
-        raw = torch.exp(old_logp - valid(behaviour_logp).detach())  # [N]
-        tis_weight = raw.clamp(max=config.tis_cap)  # [N]
-        pg = pg * tis_weight
-        metrics.update(tis_weight_mean=item(token_mean(tis_weight, mask)),
-                       tis_capped_frac=frac(raw > config.tis_cap), tis_raw_ratio_max=masked_max(raw))
+        weight, correction = rollout_weights(old_logp, valid(behaviour_logp).detach(), mask, segments, config)
+        pg = pg * weight
+        metrics.update(correction)
     pg_loss = aggregate(pg, mask)
     loss = pg_loss
     if ref_logp is not None:

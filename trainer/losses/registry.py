@@ -7,9 +7,13 @@ from collections.abc import Callable
 from torch import Tensor
 
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {}
-"""name -> fn(rewards [N] or [G, n], group_size, **options) -> advantages, same shape as rewards."""
+"""name -> an estimator. Outcome-level ones (`level` "outcome": grpo, rloo): fn(rewards [G * n] or [G, n],
+group_size, **options) -> advantages, same shape. Token-level ones (`level` "token": reinforce_plus_plus,
+reinforce_plus_plus_baseline, gae; trainer/losses/returns.py): fn(TokenRewards, **options) -> (advantages [N],
+returns [N])."""
 POLICY_LOSSES: dict[str, Callable[..., tuple]] = {}
-"""name -> fn(logp, old_logp, advantages, config) -> PolicyLossOutput (trainer/losses/policy.py); all tensors [B, T]."""
+"""name -> fn(logp, old_logp, advantages, config, *, mask, segments) -> PolicyLossOutput (trainer/losses/policy.py);
+tensors [B, T] or packed [N] with `segments` (a sequence-level loss reads mask and segments; token ones ignore them)."""
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
 """name -> fn(logp, ref_logp) -> per-token estimate of KL(pi || ref), all [B, T]."""
 AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
