@@ -29,7 +29,8 @@ from memory.layout import CacheLayout
 from models.config import ModelConfig
 from models.precision import check_dtype_supported, parse_dtype
 from models.tokenizer import TokenizerConfig
-from rl.config.checks import check_inputs, task_reads_rows
+from rl.config.algo import AlgoConfig
+from rl.config.checks import check_algo, check_inputs, task_reads_rows
 from rl.envs.data import DataConfig, check_files
 from rl.envs.tools.sandbox import SandboxSettings
 from rl.episodes.env_runner import EnvConfig
@@ -38,7 +39,6 @@ from rl.run.tracking import TrackingConfig
 from rl.episodes.validation import EvalConfig
 from rl.run.warmup import WarmupConfig
 from rollout.engine_config import EngineConfig
-from trainer.losses import LossConfig
 from trainer.step import TrainerConfig
 
 
@@ -85,29 +85,6 @@ def task_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
                 if p.default is not inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     return defaults | dict(params)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AlgoConfig:
-    advantage: str = "grpo"
-    """Registered advantage estimator ("grpo", "rloo")."""
-    group_size: int = 8
-    """Samples per prompt (GRPO group), generated with parallel sampling."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    ppo_epochs: int = 1
-    """Passes over each rollout batch per update (rl/run/update.py `policy_update`); 1 = one pass."""
-    mini_batches: int = 1
-    """Mini-batches (of whole sequences, one optimizer step each) per pass; > 1 needs one data-parallel rank."""
-
-    def __post_init__(self) -> None:
-        from trainer.losses import lookup
-
-        lookup("advantage", self.advantage)
-        if self.group_size < 2:
-            raise ValueError(f"algo.group_size={self.group_size}, expected >= 2 (group advantages need peers)")
-        if self.ppo_epochs < 1 or self.mini_batches < 1:
-            raise ValueError(f"algo.ppo_epochs={self.ppo_epochs}, algo.mini_batches={self.mini_batches}, "
-                             f"expected both >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -355,6 +332,7 @@ class RunConfig:
                              f"with trainer.chunk_split={t.chunk_split!r}"
                              + ("" if t.chunk_split == "params" else " ('params' allows layers + 2)"))
         self._check_pool()
+        check_algo(self)
 
     @property
     def optimizer_steps(self) -> int:

@@ -127,3 +127,36 @@ def check_inputs(cfg) -> int | None:
         raise ValueError(f"rollout.max_new_tokens=null takes the task's answer length, but task.name={cfg.task.name!r} "
                          f"states none (an `answer_tokens` attribute); set rollout.max_new_tokens=<tokens per turn>")
     return min(answer, cfg.engine.max_model_len // 2)
+
+
+def check_algo(cfg) -> None:
+    """The algorithm's rules across groups: what context parallelism, expert parallelism and the rollout's
+    knobs leave room for; the Dr. GRPO normaliser's default (rollout.max_new_tokens) filled in."""
+    from dataclasses import replace
+
+    a, r = cfg.algo, cfg.rollout
+    if cfg.parallel.context > 1:
+        whole = [name for name, on in (
+            (f"algo.advantage={a.advantage}", a.token_level), ("algo.kl_in_reward.coef > 0", a.kl_in_reward.coef > 0),
+            ("algo.loss.policy_loss=gspo", a.loss.policy_loss == "gspo"),
+            ("algo.loss.rollout_is_level=sequence", a.loss.rollout_is_level == "sequence"),
+            ("algo.critic.enable=true", a.critic.enable)) if on]
+        if whole:
+            raise ValueError(f"parallel.context={cfg.parallel.context} with {', '.join(whole)}: these read whole "
+                             f"sequences (token-level returns, a sequence ratio), which context parallelism splits over "
+                             f"ranks; expected parallel.context=1 with them (or an outcome estimator, token-level losses)")
+    if a.critic.enable and cfg.parallel.expert > 1:
+        raise ValueError(f"algo.critic.enable=true with parallel.expert={cfg.parallel.expert}: the critic is built "
+                         f"whole on every rank for now; expected parallel.expert=1 for PPO with a critic")
+    if a.filter_groups.enable:
+        if r.max_groups_in_flight is not None or r.budget_tokens is not None or r.budget_seconds is not None:
+            raise ValueError(f"algo.filter_groups.enable=true refills the batch by starting more groups, but "
+                             f"rollout.max_groups_in_flight={r.max_groups_in_flight}, budget_tokens={r.budget_tokens}, "
+                             f"budget_seconds={r.budget_seconds} leave it no headroom (a cap on groups in flight, "
+                             f"partial rollouts carried across rounds); expected all three null with dynamic sampling")
+    if a.overlong.enable and a.overlong.buffer_tokens > r.max_new_tokens:
+        raise ValueError(f"algo.overlong.buffer_tokens={a.overlong.buffer_tokens} exceeds rollout.max_new_tokens="
+                         f"{r.max_new_tokens} (the limit it buffers); expected at most {r.max_new_tokens}")
+    if a.loss.aggregation == "seq-mean-token-sum-norm" and a.loss.agg_norm_tokens is None:
+        loss = replace(a.loss, agg_norm_tokens=r.max_new_tokens)
+        object.__setattr__(cfg, "algo", replace(a, loss=loss))

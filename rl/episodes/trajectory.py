@@ -35,6 +35,9 @@ class Trajectory:
     """Named reward parts (StepResult.components) summed over the turns."""
     is_correct: bool | None = None
     """The last turn's StepResult.is_correct: None when the environment did not say."""
+    truncated: bool = False
+    """The last answer ended at its token limit (finish_reason "length": rollout.max_new_tokens or the
+    engine's max_model_len), not at a stop token."""
 
     @property
     def num_generated_in_turn(self) -> int:
@@ -47,6 +50,7 @@ class Trajectory:
         self.policy += [True] * len(sample.tokens)
         self.logprobs += sample.logprobs
         self.versions += sample.versions
+        self.truncated = sample.finish_reason == "length"
         return len(sample.tokens)
 
     def end_turn(self, answer: str, turn: TurnOutcome) -> bool:

@@ -11,6 +11,7 @@ CUDA run starts from the same weights as a CPU run.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from models.checkpoint import load_weights
 from models.expert_parallel import ExpertParallel
 from models.model import HybridLM
 from models.precision import cast_parameters
+from models.value import ValueModel
 from models.tokenizer import load_tokenizer
 from rl.config import RunConfig
 from rl.config.checks import check_tokenizer, check_world
@@ -30,6 +32,8 @@ from rl.episodes.driver import RolloutDriver
 from rl.episodes.runner import render_prompt
 from rl.episodes.validation import evaluator
 from rl.run.figures import TimedStreamedReference
+from rl.run.advantages import KLController
+from rl.run.critic import Critic
 from rl.run.loop import LoopParts
 from rl.run.ranks import Ranks
 from rl.run.tracking import Tracker
@@ -123,8 +127,33 @@ def build(cfg: RunConfig, resume_from: int | None, ranks: Ranks = Ranks(), engin
     # after a warm-up the reference is its result, built once it is known (`start_from_warmup`)
     ref = (None if warm_started(cfg, resume_from)
            else reference(cfg, _split_like(initial_policy(cfg, ranks.expert_parallel), ranks), trainer, ledger))
+    # after a new run's warm-up the critic starts from the warmed-up policy: built then (`start_from_warmup`)
+    critic, critic_store = ((None, None) if resume_from is None and warm_started(cfg, resume_from)
+                            else build_critic(cfg, policy, ranks, ledger, store))
     return LoopParts(cfg=cfg, policy=policy, engine=engine, trainer=trainer, driver=driver, tracker=tracker,
-                     ref_model=ref, ledger=ledger, store=store, ranks=ranks, evaluate=evaluate)
+                     ref_model=ref, ledger=ledger, store=store, ranks=ranks, evaluate=evaluate, critic=critic,
+                     critic_store=critic_store,
+                     kl_ctl=KLController(cfg.algo.kl_in_reward) if cfg.algo.kl_in_reward.coef > 0 else None)
+
+
+def build_critic(cfg: RunConfig, policy: HybridLM, ranks: Ranks, ledger: HostLedger,
+                 store: NvmeStore | None) -> tuple[Critic | None, NvmeStore | None]:
+    """PPO's critic (algo.critic.enable): the value model in the run's dtype on the policy's device, from
+    the policy's weights (critic.init=policy) or a seeded draw, its own Trainer (the run's chunks and
+    micro-batches, critic.optimizer) on the same ledger, and its spill store beside the policy's."""
+    c = cfg.algo.critic
+    if not c.enable:
+        return None, None
+    value = ValueModel(cfg.model).init_weights(seed=cfg.seed + 1, std=cfg.experiment.init_std)
+    if c.init == "policy":
+        value.start_from(policy)
+    value = cast_parameters(value, cfg.experiment.torch_dtype).to(ranks.device)
+    trainer = Trainer(value, replace(cfg.trainer, optimizer=c.optimizer), group=ranks.group, ledger=ledger,
+                      total_steps=cfg.optimizer_steps)
+    critic_store = (None if store is None else
+                    NvmeStore(store.directory.parent / f"critic-rank{ranks.rank}",
+                              owner=f"run {Path(cfg.run_dir).resolve()} critic rank {ranks.rank}"))
+    return Critic(value, trainer, c), critic_store
 
 
 def _split_like(model: HybridLM, ranks: Ranks) -> HybridLM:
@@ -134,11 +163,11 @@ def _split_like(model: HybridLM, ranks: Ranks) -> HybridLM:
 
 
 def reference(cfg: RunConfig, model: HybridLM, trainer: Trainer, ledger: HostLedger) -> HybridLM | StreamedReference | None:
-    """The KL reference (None without algo.loss.kl_coef) from `model`'s weights (a CPU model in the
+    """The KL reference (None without algo.loss.kl_coef or algo.kl_in_reward.coef) from `model`'s weights (a CPU model in the
     run's dtype; not kept): streamed (memory.reference=stream: host copies per VPP chunk, streamed
     through the trainer's idle gradient slots, timed for the run's figures) or resident on the
     trainer's device."""
-    if cfg.algo.loss.kl_coef == 0:
+    if cfg.algo.loss.kl_coef == 0 and cfg.algo.kl_in_reward.coef == 0:
         return None
     model = model.eval()
     if cfg.memory.reference == "stream":
@@ -174,4 +203,6 @@ def start_from_warmup(cfg: RunConfig, parts: LoopParts, resume: bool) -> dict | 
     else:
         weights.load_state_dict({k: v.detach().cpu() for k, v in p.policy.state_dict().items()})
     p.ref_model = reference(cfg, _split_like(weights, p.ranks), p.trainer, p.ledger)
+    if not resume:  # the critic's trunk is the warmed-up policy's (a resume loads its checkpointed one)
+        p.critic, p.critic_store = build_critic(cfg, p.policy, p.ranks, p.ledger, p.store)
     return record

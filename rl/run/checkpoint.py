@@ -100,6 +100,11 @@ def save_iteration(p: CheckpointParts, iteration: int, config: CheckpointConfig 
         tmp.mkdir(parents=True)
     ranks.barrier()  # the directory exists, empty, before anyone writes into it
     p.trainer.save(tmp)
+    critic, kl_ctl = getattr(p, "critic", None), getattr(p, "kl_ctl", None)
+    if critic is not None:  # PPO's value model: its weights and optimizer shards under critic/
+        critic.trainer.save(tmp / "critic")
+    if kl_ctl is not None and ranks.is_writer:
+        (tmp / "kl_controller.json").write_text(json.dumps(kl_ctl.state_dict()))
     (tmp / f"driver-rank{ranks.rank}.json").write_text(json.dumps(p.driver.state_dict()))
     rng = {"torch": torch.get_rng_state()}
     if ranks.device.type == "cuda":
@@ -320,6 +325,10 @@ def load_iteration(p: CheckpointParts, path: Path) -> int:
     check_world_size(info, p.ranks.world, p.checkpoint_dir)
     try:
         p.trainer.load(path)
+        if getattr(p, "critic", None) is not None:
+            p.critic.trainer.load(path / "critic")
+        if getattr(p, "kl_ctl", None) is not None:
+            p.kl_ctl.load_state_dict(json.loads((path / "kl_controller.json").read_text()))
         p.driver.load_state_dict(json.loads((path / f"driver-rank{p.ranks.rank}.json").read_text()))
         rng = torch.load(path / f"rng-rank{p.ranks.rank}.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - past verify and probe: still the checkpoint's damage, said as such

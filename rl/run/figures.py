@@ -136,14 +136,16 @@ def rollout_statistics(groups: list[tuple[int, list[tuple[float, int, int, int]]
     rewards = torch.tensor([m[0] for m in members], dtype=torch.float64, device="cpu")  # host figures
     response = torch.tensor([m[1] for m in members], dtype=torch.float64, device="cpu")
     estimator = lookup("advantage", advantage)
-    advs = torch.cat([estimator(torch.tensor([m[0] for m in ms], dtype=torch.float32, device="cpu"), len(ms))
-                      for _, ms in groups])
-    return {"response_length/mean": response.mean().item(), "response_length/max": response.max().item(),
+    out = {}
+    if getattr(estimator, "level", "outcome") == "outcome":  # token-level ones: the train phase reports them
+        advs = torch.cat([estimator(torch.tensor([m[0] for m in ms], dtype=torch.float32, device="cpu"), len(ms))
+                          for _, ms in groups])
+        out = {"advantage/mean": advs.double().mean().item(), "advantage/std": advs.double().std(unbiased=False).item()}
+    return out | {"response_length/mean": response.mean().item(), "response_length/max": response.max().item(),
             "response_length/clip_frac": sum(m[3] >= max_new_tokens for m in members) / len(members),
             "prompt_length/mean": sum(m[2] for m in members) / len(members),
             "reward/std": rewards.std(unbiased=False).item(),
-            "groups_zero_std_frac": sum(len({m[0] for m in ms}) == 1 for _, ms in groups) / len(groups),
-            "advantage/mean": advs.double().mean().item(), "advantage/std": advs.double().std(unbiased=False).item()}
+            "groups_zero_std_frac": sum(len({m[0] for m in ms}) == 1 for _, ms in groups) / len(groups)}
 
 
 def trajectory_lengths(traj) -> tuple[int, int, int]:

@@ -49,13 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from rich.markup import escape
 
 from memory.host_ledger import HostLedger
 from memory.nvme_store import NvmeStore
 from memory.tiers import with_totals
-from models.context_parallel import ContextParallel, ZigZagSplit
 from models.model import HybridLM
 from rl.config import RunConfig
 from rl.config.resume import resolved_config
@@ -65,7 +63,10 @@ from rl.run.checkpoint import save_iteration
 from rl.run.figures import rollout_statistics, trajectory_lengths
 from rl.run.ranks import CHECKSUM_BITS, Ranks, merge_metrics, require_same, weights_checksum
 from rl.run.tracking import Tracker
-from rl.run.update import PackedBatch, policy_update, reference_logprobs
+from rl.run.advantages import KLController
+from rl.run.critic import Critic
+from rl.run.dynamic_sampling import dynamic_sampling
+from rl.run.train_phase import train_phase
 from rollout.engine import Engine
 from trainer.ref_stream import StreamedReference
 from trainer.step import Trainer
@@ -117,6 +118,12 @@ class LoopParts:
     loaded weights and returns `val/...` metrics; None = never."""
     final_val: dict[str, float] = field(default_factory=dict)
     """The validation of the weights after the run's last update (`run_loop`), over all ranks; {} = none."""
+    critic: Critic | None = None
+    """PPO's value model and its trainer (algo.critic.enable); None = no critic."""
+    critic_store: NvmeStore | None = None
+    """Where the critic's optimizer states are spilled between iterations (beside the policy's); None = no spill."""
+    kl_ctl: KLController | None = None
+    """The KL-in-reward coefficient (algo.kl_in_reward.coef > 0), checkpointed; None = no KL in the reward."""
 
     @property
     def device(self) -> torch.device:
@@ -170,6 +177,13 @@ class Phases:
             "host_grads": trainer["host_grads"], "host_pool": engine["host_pool"], "host_parked": engine["host_parked"],
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
             "disk_spilled": trainer["disk_spilled"], "disk_kv_pool": engine["disk_kv_pool"]})
+        if p.critic is not None:  # the second trained model: its weights, slots and host states
+            critic = p.critic.trainer.memory()
+            out["device_weights"] += _storage_bytes(p.critic.model.parameters(), seen)
+            for key in ("device_grad_slots", "host_masters", "host_moments", "host_grads", "disk_spilled"):
+                out[key] += critic[key]
+            out = with_totals({k: v for k, v in out.items() if not k.endswith("_total")})
+            trainer = {**trainer, "train_host": trainer["train_host"] + critic["train_host"]}
         out.update(train_host=trainer["train_host"], engine_weight_copies=engine["engine_weight_copies"])
         if "device_alloc_peak" in trainer:
             out["device_alloc_peak"] = trainer["device_alloc_peak"]
@@ -209,21 +223,28 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar, \
                 phases(it, "rollout"):
             rollout = p.driver.rollout(progress=bar, groups_in_flight=in_flight)
+            sampled = dynamic_sampling(p, rollout) if cfg.algo.filter_groups.enable else None
+        if sampled is not None:
+            rollout = sampled.result
         _release_engine(p, phases, it, rollout)
         num_groups, num_tokens, num_seqs = _global_counts(p, phases, it, rollout.groups)
         if p.trainer.states_spilled:
-            with phases(it, "restore", moved=p.trainer.spilled_bytes):
-                p.trainer.restore_states()
+            with phases(it, "restore", moved=sum(tr.spilled_bytes for tr, _ in _trainers(p))):
+                for trainer, _ in _trainers(p):
+                    trainer.restore_states()
         train = {"train_skipped": 1.0}
         if num_groups:
             with phases(it, "train"):
-                train = _train(p, rollout.groups, num_tokens, num_seqs)
-        metrics, errors = _iteration_metrics(p, rollout, val, train, phases.seconds, checksum)
+                train = train_phase(p, rollout.groups, num_tokens, num_seqs)
+        if sampled is not None:
+            train = {**train, **sampled.metrics}
+        metrics, errors = _iteration_metrics(p, rollout, val, train, phases.seconds, checksum,
+                                             scored=None if sampled is None else sampled.scored)
         p.tracker.log(it, metrics)  # before the checkpoint publishes `latest` (a crash between re-runs it)
         exhausted = p.driver.data_exhausted and not p.ranks.sum([p.driver.unfinished_groups])[0]
         with phases(it, "checkpoint"):
             save_iteration(p, it, cfg.checkpoint, final=it == iterations - 1 or exhausted, fault=phases.fault)
-        with phases(it, "offload", moved=p.trainer.spillable_bytes if p.store is not None else 0):
+        with phases(it, "offload", moved=sum(tr.spillable_bytes for tr, _ in _trainers(p)) if p.store is not None else 0):
             _offload_train_state(p)
         _print_iteration(p, it, iterations, metrics, train, errors, exhausted)
         phases.seconds.clear()
@@ -274,8 +295,9 @@ def _host_in(p: LoopParts, phases: Phases, it: int) -> None:
     if p.store is None or p.engine.host is None:
         return
     if not p.trainer.states_spilled:
-        with phases(it, "offload", moved=p.trainer.spillable_bytes):
-            p.trainer.offload_states(p.store)
+        with phases(it, "offload", moved=sum(tr.spillable_bytes for tr, _ in _trainers(p))):
+            for trainer, store in _trainers(p):
+                trainer.offload_states(store)
     with phases(it, "host_in") as phase:
         phase.moved = p.engine.restore_host(p.store)
 
@@ -300,7 +322,9 @@ def _release_engine(p: LoopParts, phases: Phases, it: int, rollout: RolloutResul
 def _global_counts(p: LoopParts, phases: Phases, it: int, groups) -> tuple[int, int, int]:
     """Finished groups, policy tokens and sequences over all ranks (the loss's global normalisers):
     the "gather" phase, at the rollout -> train boundary, when there are several ranks."""
-    local = [len(groups), sum(sum(t.policy[1:]) for g in groups for t in g), sum(len(g) for g in groups)]
+    masked = p.cfg.algo.mask_truncated  # truncated completions train no token: not in the normalisers
+    trained = [t for g in groups for t in g if not (masked and t.truncated)]
+    local = [len(groups), sum(sum(t.policy[1:]) for t in trained), len(trained)]
     if p.ranks.world == 1:
         return tuple(local)
     with phases(it, "gather"):
@@ -379,11 +403,13 @@ def _sync_weights(p: LoopParts, version: int) -> int:
 
 
 def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, float], train: dict[str, float],
-                       seconds: dict[str, float], checksum: int) -> tuple[dict[str, float], list[str]]:
+                       seconds: dict[str, float], checksum: int, scored: list | None = None
+                       ) -> tuple[dict[str, float], list[str]]:
     """This iteration's metrics over all ranks, and the dropped trajectories' errors (prefixed by
     their rank when there are several). Rewards are summed in global group order, so one rank and N
-    ranks that generated the same groups report the same reward_mean bit for bit."""
-    groups = rollout.groups
+    ranks that generated the same groups report the same reward_mean bit for bit. `scored`: the groups
+    the reward figures are over when not only the trained ones (dynamic sampling's every round)."""
+    groups = rollout.groups if scored is None else scored
     local = {"metrics": {**rollout.metrics, **val, **train, **{f"seconds/{k}": v for k, v in seconds.items()}},
              # (group, rewards, correct): correct is the environment's is_correct, else reward >= 1
              "rewards": [(g[0].group_id, [t.reward for t in g],
@@ -398,38 +424,12 @@ def _iteration_metrics(p: LoopParts, rollout: RolloutResult, val: dict[str, floa
     errors = [(f"rank {rank}: " if p.ranks.world > 1 else "") + e for rank, r in enumerate(gathered) for e in r["errors"]]
     members = sorted((g for r in gathered for g in r["members"]), key=lambda g: g[0])
     metrics.update(rollout_statistics(members, p.cfg.rollout.max_new_tokens, p.cfg.algo.advantage))
-    metrics.update(groups_trained=float(sum(len(r["rewards"]) for r in gathered)),
+    trained = sum(p.ranks.sum([len(rollout.groups)])) if scored is not None else sum(len(r["rewards"]) for r in gathered)
+    metrics.update(groups_trained=float(trained),
                    reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
                    reward_correct_frac=sum(correct) / len(correct) if correct else float("nan"),
                    engine_checksum=checksum)
     return metrics, errors
-
-
-def _train(p: LoopParts, groups, num_tokens: int, num_seqs: int) -> dict[str, float]:
-    """One policy update on this rank's groups (maybe none), the loss normalised by the global
-    counts of policy tokens and sequences (`num_tokens`, `num_seqs`, summed over ranks)."""
-    algo, t = p.cfg.algo, p.cfg.trainer
-    cp = p.ranks.context_parallel
-    if cp is not None:  # the context group's groups, every rank's in rank order: split over the group
-        groups = [g for rank_groups in _gather_in_group(groups, cp) for g in rank_groups]
-    batch = PackedBatch(groups, algo.advantage, device=p.device)
-    if cp is not None:
-        batch = batch.shard(ZigZagSplit(batch.seq_lens, cp.size, p.cfg.model.linear_conv_kernel_dim - 1), cp.rank)
-    ref = (reference_logprobs(p.ref_model, batch, t.num_chunks, t.chunk_split)
-           if p.ref_model is not None and (batch.num_sequences or p.policy.expert_parallel is not None) else None)
-    with p.tracker.train_progress(total_steps=1) as bar:
-        metrics = policy_update(p.trainer, batch, algo.loss, t.micro_batch_tokens, ref,
-                                global_counts=(num_tokens, num_seqs), ppo_epochs=algo.ppo_epochs,
-                                mini_batches=algo.mini_batches)
-        bar.advance(metrics["loss"])
-    return metrics
-
-
-def _gather_in_group(groups: list, cp: ContextParallel) -> list[list]:
-    """Every context rank's finished groups (picklable trajectories), in the group's rank order."""
-    out: list = [None] * cp.size
-    dist.all_gather_object(out, groups, group=cp.group)
-    return out
 
 
 def _offload_train_state(p: LoopParts) -> None:
@@ -439,4 +439,10 @@ def _offload_train_state(p: LoopParts) -> None:
     written before, from host memory. Without a store nothing moves (one CPU process: the
     optimizer already lives on the host)."""
     if p.store is not None:
-        p.trainer.offload_states(p.store)
+        for trainer, store in _trainers(p):
+            trainer.offload_states(store)
+
+
+def _trainers(p: LoopParts) -> list[tuple[Trainer, NvmeStore | None]]:
+    """The trained models' trainers and their spill stores: the policy's, and the critic's when there is one."""
+    return [(p.trainer, p.store)] + ([(p.critic.trainer, p.critic_store)] if p.critic is not None else [])

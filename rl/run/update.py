@@ -17,7 +17,10 @@ import torch
 
 from models.context_parallel import ZigZagSplit
 from models.model import HybridLM
+from rl.config.algo import AlgoConfig
 from rl.episodes.driver import Trajectory
+from rl.run.advantages import shaped_rewards
+from rl.run.mismatch_metrics import mismatch_metrics
 from trainer.chunks import ChunkedModel
 from trainer.losses import LossConfig, Segments, lookup, rl_loss
 from trainer.ref_stream import StreamedReference
@@ -26,15 +29,17 @@ from trainer.step import Trainer
 
 class PackedBatch:
     """The groups' trajectories as packed rows [N] (sequence i owns `seq_lens[i]` consecutive rows),
-    every tensor on `device` (the policy's: rl/run/loop.py passes `LoopParts.device`)."""
+    every tensor on `device` (the policy's: rl/run/loop.py passes `LoopParts.device`).
 
-    def __init__(self, groups: Sequence[Sequence[Trajectory]], advantage: str,
-                 device: torch.device | str = "cpu") -> None:
-        estimator = lookup("advantage", advantage)
+    `advantage` names an outcome estimator (advantages computed here, from the raw rewards), or is the
+    run's `AlgoConfig`: then `rewards` are the shaped ones (rl/run/advantages.py) and the advantages
+    are set by `advantages.estimate` (which may need the reference's logprobs or the critic's values)."""
+
+    def __init__(self, groups: Sequence[Sequence[Trajectory]], advantage: "str | AlgoConfig",
+                 device: torch.device | str = "cpu", max_new_tokens: int | None = None) -> None:
         trajs = [t for g in groups for t in g]
-        advs = torch.cat([estimator(torch.tensor([t.reward for t in g], dtype=torch.float32, device=device), len(g))
-                          for g in groups]) if groups else torch.zeros(0, device=device)
         self.trajectories = trajs
+        self.group_sizes = [len(g) for g in groups]
         self.seq_lens = [len(t.tokens) - 1 for t in trajs]
 
         def packed(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +52,35 @@ class PackedBatch:
         self.versions = packed([x for t in trajs for x in t.versions[1:]], torch.long)
         self.seq_of_row = torch.repeat_interleave(torch.arange(len(trajs), device=device),
                                                   torch.tensor(self.seq_lens, dtype=torch.long, device=device))
-        self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0, device=device)
+        self.returns: torch.Tensor | None = None
+        """[N] the critic's targets (token-level estimators), None otherwise."""
+        if isinstance(advantage, str):
+            self.rewards = packed([t.reward for t in trajs], torch.float32)  # [S]
+            estimator = lookup("advantage", advantage)
+            advs = (torch.cat([estimator(self.rewards[s:s + n], n) for s, n in zip(_starts(self.group_sizes),
+                                                                                  self.group_sizes)])
+                    if groups else torch.zeros(0, device=device))
+            self.advantages = advs[self.seq_of_row] if trajs else torch.zeros(0, device=device)
+        else:
+            self.rewards = packed(shaped_rewards(groups, advantage, max_new_tokens or 0), torch.float32)
+            self.advantages = torch.zeros(len(self.token_ids), device=device)  # set by advantages.estimate
+
+    def select(self, keep: Sequence[int]) -> "PackedBatch":
+        """The batch of sequences `keep` (indices, in order): rows, advantages and returns gathered."""
+        out = object.__new__(PackedBatch)
+        offsets = _starts(self.seq_lens)
+        rows = torch.tensor([r for i in keep for r in range(offsets[i], offsets[i] + self.seq_lens[i])],
+                            dtype=torch.long, device=self.token_ids.device)
+        out.trajectories = [self.trajectories[i] for i in keep]
+        out.seq_lens = [self.seq_lens[i] for i in keep]
+        out.group_sizes = [len(keep)]  # groups are not read after selection
+        out.rewards = self.rewards[torch.tensor(list(keep), dtype=torch.long, device=rows.device)]
+        for name in ("token_ids", "targets", "mask", "behaviour", "versions", "advantages"):
+            out.__dict__[name] = getattr(self, name)[rows]
+        out.returns = None if self.returns is None else self.returns[rows]
+        lens = torch.tensor(out.seq_lens, dtype=torch.long, device=rows.device)
+        out.seq_of_row = torch.repeat_interleave(torch.arange(len(keep), device=rows.device), lens)
+        return out
 
     split: ZigZagSplit | None = None
     """Set on a context-parallel share (`shard`): how the whole sequences were cut; None = whole rows."""
@@ -64,6 +97,7 @@ class PackedBatch:
             raise ValueError(f"split of lengths {split.seq_lens[:4]}... does not match the batch's {self.seq_lens[:4]}...")
         out = object.__new__(PackedBatch)
         out.trajectories, out.seq_lens, out.split = self.trajectories, split.local_lens, split
+        out.group_sizes, out.rewards, out.returns = self.group_sizes, self.rewards, None
         for name, fill in (("token_ids", 0), ("targets", 0), ("mask", False), ("behaviour", 0.0), ("versions", 0),
                            ("seq_of_row", 0), ("advantages", 0.0)):
             out.__dict__[name] = split.shard(getattr(self, name), rank, fill)
@@ -128,23 +162,34 @@ def policy_update(trainer: Trainer, batch: PackedBatch, loss_config: LossConfig,
     old = (None if one_step or not (batch.num_sequences or trainer.expert_parallel is not None)
            else old_logprobs(trainer, batch, micro_batch_tokens))
     steps: list[tuple[dict[str, float], list[tuple[float, dict[str, float]]], torch.Tensor | None]] = []
-    for _ in range(ppo_epochs):
+    # the trainer's logprobs at the update's start, for the mismatch metrics: pi_old, or the first
+    # epoch's own (detached) logprobs as each micro-batch computes them
+    seen = old if old is not None else torch.zeros_like(batch.behaviour)
+    for epoch in range(ppo_epochs):
         for seqs in splits:
             if len(splits) == 1:
                 counts = global_counts if global_counts is not None else (sum(policy_tokens), batch.num_sequences)
             else:
                 counts = (sum(policy_tokens[i] for i in seqs), len(seqs))
             steps.append(_step(trainer, batch, seqs, counts, policy_tokens, loss_config, micro_batch_tokens,
-                               ref_logp, old))
+                               ref_logp, old, record=seen if old is None and epoch == 0 else None))
     versions = [v for t in batch.trajectories for v, p in zip(t.versions[1:], t.policy[1:]) if p]  # host lists
     newest = max(versions, default=0)
     # counted once over the ranks: a context-parallel share counts its own tokens, and its group's
     # sequences on the group's first rank only
     own_tokens = float(sum(policy_tokens)) if batch.split is None else float(batch.mask.sum())
     counts_sequences = batch.split is None or trainer.model.context_parallel.rank == 0
-    return {**_update_metrics(steps, ppo_epochs),
+    return {**_update_metrics(steps, ppo_epochs), **mismatch_metrics(batch, seen, loss_config),
             "train_tokens": own_tokens, "train_sequences": float(batch.num_sequences) if counts_sequences else 0.0,
             "stale_token_frac": sum(v < newest for v in versions) / len(versions) if versions else 0.0}
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
 
 
 def mini_batch_split(num_sequences: int, mini_batches: int) -> list[list[int]]:
@@ -168,7 +213,8 @@ def old_logprobs(trainer: Trainer, batch: PackedBatch, micro_batch_tokens: int |
 
 def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[int, int], policy_tokens: list[int],
           loss_config: LossConfig, micro_batch_tokens: int | None, ref_logp: torch.Tensor | None,
-          old: torch.Tensor | None) -> tuple[dict[str, float], list[tuple[float, dict[str, float]]], torch.Tensor | None]:
+          old: torch.Tensor | None, record: torch.Tensor | None = None
+          ) -> tuple[dict[str, float], list[tuple[float, dict[str, float]]], torch.Tensor | None]:
     """One optimizer step on the consecutive sequences `seqs` of the batch (maybe none), the loss
     normalised by `counts` (policy tokens, sequences). `old`: pi_old per packed row, None = the
     step's own logprobs detached. Returns (trainer metrics, (policy tokens, rl_loss metrics) per
@@ -193,6 +239,8 @@ def _step(trainer: Trainer, batch: PackedBatch, seqs: list[int], counts: tuple[i
                  else torch.tensor([policy_tokens[i] for i in mine], dtype=torch.float32, device=logp.device))
         segments = Segments(batch.seq_of_row[rows] - mine[0], len(mine), whole)  # [n]: 0 .. len(mine) - 1
         old_logp = logp.detach() if old is None else old[rows]
+        if record is not None:
+            record[rows] = old_logp
         mask = batch.mask[rows]
         loss, metrics = rl_loss(logp, old_logp, batch.advantages[rows], mask, loss_config,
                                 behaviour_logp=batch.behaviour[rows],

@@ -51,6 +51,7 @@ DISTINCT = {
     "budget_tokens": "rollout.budget_tokens (generated tokens per iteration) vs engine.kv_budget.budget_tokens "
                      "(MLA slots per sequence)",
     "every": "eval.every vs checkpoint.every: two cadences",
+    "enable": "algo.filter_groups.enable, algo.overlong.enable, algo.critic.enable: three switches",
     "lr": "warmup.lr (the warm-up's; null = the trainer's) vs trainer.optimizer.lr",
     "max_new_tokens": "eval.max_new_tokens (null = the rollout's) vs rollout.max_new_tokens",
     "name": "task.name vs experiment.name",
@@ -218,7 +219,8 @@ def aliases(tree: Schema, removed: dict[str, str] = REMOVED_ALIASES, distinct: d
     found = [f"{old} is back: the knob is {new}" for old, new in removed.items() if old in tree.leaves]
     paths: dict[str, list[str]] = {}
     for path in tree.leaves:
-        if not path.startswith(("model.", "cluster.")):  # descriptions: one dataclass each
+        # descriptions: one dataclass each; the critic's optimizer is a second OptimizerConfig (its own model's)
+        if not path.startswith(("model.", "cluster.", "algo.critic.optimizer.")):
             paths.setdefault(path.rsplit(".", 1)[-1], []).append(path)
     found += [f"{name} at {', '.join(ps)}: one knob under two names? (else review it into DISTINCT)"
               for name, ps in sorted(paths.items()) if len(ps) > 1 and name not in distinct]

@@ -70,13 +70,8 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     num_tokens = mask.sum()
     item, frac, masked_max = _metric_helpers(mask, num_tokens)
 
-    out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config, mask=mask, segments=segments)
-    pg = out.loss  # [N]
-    metrics: dict[str, Tensor] = {}
-    if behaviour_logp is not None and config.tis_cap is not None:
-        weight, correction = rollout_weights(old_logp, valid(behaviour_logp).detach(), mask, segments, config)
-        pg = pg * weight
-        metrics.update(correction)
+    out, pg, metrics = _policy_term(logp, old_logp, advantages, mask, segments, config,
+                                    None if behaviour_logp is None else valid(behaviour_logp).detach())
     pg_loss = aggregate(pg, mask)
     loss = pg_loss
     if ref_logp is not None:
@@ -95,6 +90,18 @@ def rl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, co
     values = torch.cat([bad_counts.float(), torch.stack([metrics[n] for n in names]).to(bad_counts.device)]).tolist()
     raise_on_bad_values(dict(zip(CHECK_NAMES, values)), shape, partial=segments.whole_tokens is not None)
     return loss, dict(zip(names, values[len(CHECK_NAMES):]))
+
+
+def _policy_term(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, segments: Segments,
+                 config: LossConfig, behaviour_logp: Tensor | None) -> tuple:
+    """(the policy loss's output, its per-token term weighted by the rollout correction [N], the
+    correction's metrics)."""
+    out = lookup("policy_loss", config.policy_loss)(logp, old_logp, advantages, config, mask=mask, segments=segments)
+    pg, metrics = out.loss, {}
+    if behaviour_logp is not None and config.tis_cap is not None:
+        weight, metrics = rollout_weights(old_logp, behaviour_logp, mask, segments, config)
+        pg = pg * weight
+    return out, pg, metrics
 
 
 def _spread_shares(metrics: dict[str, Tensor], segments: Segments, num_tokens: Tensor) -> None:
