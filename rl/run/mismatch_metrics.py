@@ -19,38 +19,50 @@ MAX_TURN = 4
 
 
 def mismatch_metrics(batch, trainer_logp: torch.Tensor, loss: LossConfig) -> dict[str, float]:
-    """`batch` a PackedBatch, `trainer_logp` [N] the trainer's old logprobs of its rows."""
+    """`batch` a PackedBatch, `trainer_logp` [N] the trainer's old logprobs of its rows. Computed on the
+    device without a data-dependent shape; one host transfer at the end (the train step's sync budget)."""
     mask = batch.mask
-    if not bool(mask.any()):
+    if not len(mask):
         return {}
     d = torch.where(mask, trainer_logp.float() - batch.behaviour.float(), 0.0)
     k3 = torch.expm1(d) - d
-    newest = int(batch.versions[mask].max())
-    fresh = mask & (batch.versions == newest)
-    ratio = torch.exp(d[mask])
-    out = {"mismatch/k3": _mean(k3, mask), "mismatch/k3_fresh": _mean(k3, fresh),
-           "mismatch/max_abs_logp_diff": float(d.abs().max())}
-    for q in (0.01, 0.5, 0.99):
-        out[f"mismatch/ratio_p{int(q * 100):02d}"] = float(torch.quantile(ratio.double(), q))
-    if loss.tis_cap is not None:
-        lower, upper = loss.rollout_is_bounds if loss.rollout_is_mode == "mask" else (0.0, loss.tis_cap)
-        out["mismatch/outside_bounds_frac"] = float(((ratio < lower) | (ratio > upper)).double().mean())
+    newest = torch.where(mask, batch.versions, -1).max()
+    ratio = torch.exp(d)
+    names, sums, counts = [], [], []
+
+    def mean_over(name: str, where: torch.Tensor) -> None:
+        names.append(name)
+        sums.append(torch.where(where, k3, 0.0).sum())
+        counts.append(where.sum().float())
+
+    mean_over("mismatch/k3", mask)
+    mean_over("mismatch/k3_fresh", mask & (batch.versions == newest))
     turn, position = _turns_and_positions(batch)
     for k in range(1, MAX_TURN + 1):
-        where = mask & ((turn == k) if k < MAX_TURN else (turn >= k))
-        if bool(where.any()):
-            out[f"mismatch/k3_turn{k}{'+' if k == MAX_TURN else ''}"] = _mean(k3, where)
+        mean_over(f"mismatch/k3_turn{k}{'+' if k == MAX_TURN else ''}",
+                  mask & ((turn == k) if k < MAX_TURN else (turn >= k)))
     lows = (0, *POSITION_EDGES)
     for lo, hi in zip(lows, (*POSITION_EDGES, None)):
-        where = mask & (position >= lo) & ((position < hi) if hi is not None else True)
-        if bool(where.any()):
-            out[f"mismatch/k3_pos{lo}-{hi if hi is not None else 'inf'}"] = _mean(k3, where)
+        where = mask & (position >= lo)
+        mean_over(f"mismatch/k3_pos{lo}-{hi if hi is not None else 'inf'}", where if hi is None else where & (position < hi))
+    n = mask.sum()
+    ordered = torch.sort(torch.where(mask, ratio, float("inf"))).values  # valid ratios first, in order
+    extra = [d.abs().max()]
+    extra += [ordered[((n - 1).clamp_min(0).float() * q).round().long()] for q in (0.01, 0.5, 0.99)]
+    if loss.tis_cap is not None:
+        lower, upper = loss.rollout_is_bounds if loss.rollout_is_mode == "mask" else (0.0, loss.tis_cap)
+        extra.append((((ratio < lower) | (ratio > upper)) & mask).sum() / n.clamp_min(1))
+    values = torch.stack([*sums, *counts, *[x.float() for x in extra], n.float()]).tolist()  # the one transfer
+    if not values[-1]:
+        return {}
+    k = len(names)
+    out = {name: s / c for name, s, c in zip(names, values[:k], values[k:2 * k]) if c}
+    tail = values[2 * k:-1]
+    out["mismatch/max_abs_logp_diff"] = tail[0]
+    out.update({"mismatch/ratio_p01": tail[1], "mismatch/ratio_p50": tail[2], "mismatch/ratio_p99": tail[3]})
+    if loss.tis_cap is not None:
+        out["mismatch/outside_bounds_frac"] = tail[4]
     return out
-
-
-def _mean(x: torch.Tensor, where: torch.Tensor) -> float:
-    n = where.sum()
-    return float(torch.where(where, x, 0.0).sum() / n) if bool(n) else 0.0
 
 
 def _turns_and_positions(batch) -> tuple[torch.Tensor, torch.Tensor]:

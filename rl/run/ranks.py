@@ -242,7 +242,8 @@ MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", 
                    "grad_norm", "grad_clip_coef", "nonfinite_grad", "ref_stream_s", "ref_stream_wait_s",
                    "lr", "optimizer_steps", "val/seconds"})
 """The slowest / largest rank (also every `seconds/<phase>` and `*_max`)."""
-TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl")
+TOKEN_WEIGHTED_PREFIXES = ("loss/", "stale_token_frac", "clip_frac", "approx_kl", "mismatch/", "critic/", "advantage/",
+                           "kl_in_reward/", "truncated_masked_frac")
 """Per-token statistics: the mean over ranks weighted by each rank's `train_tokens`."""
 ROLLOUT_TOKEN_WEIGHTED = frozenset({"entropy"})
 """Per sampled token: the mean over ranks weighted by each rank's `rollout_tokens`."""
@@ -287,7 +288,8 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             out[key] = sum(m[num] for m in have) / total if total else float("nan")
         elif key in SUMMED:
             out[key] = sum(values)
-        elif key in MAXED or key.startswith("seconds/") or key.endswith("_max"):
+        # dynamic sampling's figures are global already (summed at its round boundaries): any rank's is the max
+        elif key in MAXED or key.startswith(("seconds/", "dynamic_sampling/")) or key.endswith("_max"):
             out[key] = max(values)
         elif key.startswith(TOKEN_WEIGHTED_PREFIXES):
             weights = [m.get("train_tokens", 0.0) for m in have]

@@ -230,5 +230,6 @@ def test_a_train_step_syncs_once_per_micro_batch_outside_the_host_optimizer(caps
     assert metrics["micro_batches"] == 3
     assert counts.total(in_layer=True) == 0, counts.sites()
     optimizer = ("trainer/optimizer.py",)
-    assert counts.total("sync", exclude=optimizer) <= 3 + 1, counts.sites()
+    # one per micro-batch (the loss), one per step, one per update (the mismatch metrics' single transfer)
+    assert counts.total("sync", exclude=optimizer) <= 3 + 1 + 1, counts.sites()
     assert counts.total("transfer", exclude=optimizer) <= 2 * 3, counts.sites()
