@@ -17,7 +17,8 @@ from rl.episodes.driver import RolloutResult
 class Sampled:
     """A filtered rollout: the kept groups (`result.groups`), every group rolled out (`scored`), metrics."""
     result: RolloutResult
-    scored: list = field(default_factory=list)
+    scored: list | None = None
+    """Every group rolled out, for the reward figures; None = the kept ones."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -65,7 +65,7 @@ from rl.run.ranks import CHECKSUM_BITS, Ranks, merge_metrics, require_same, weig
 from rl.run.tracking import Tracker
 from rl.run.advantages import KLController
 from rl.run.critic import Critic
-from rl.run.dynamic_sampling import dynamic_sampling
+from rl.run.dynamic_sampling import Sampled, dynamic_sampling
 from rl.run.train_phase import train_phase
 from rollout.engine import Engine
 from trainer.ref_stream import StreamedReference
@@ -222,24 +222,17 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         in_flight = _groups_in_flight(p)  # over all ranks, at the phase boundary (never inside the rollout)
         with p.tracker.rollout_progress(total=p.driver.groups_next_iteration * p.driver.group_size) as bar, \
                 phases(it, "rollout"):
-            rollout = p.driver.rollout(progress=bar, groups_in_flight=in_flight)
-            sampled = dynamic_sampling(p, rollout) if cfg.algo.filter_groups.enable else None
-        if sampled is not None:
-            rollout = sampled.result
+            sampled = _rollout(p, bar, in_flight)
+        rollout = sampled.result
         _release_engine(p, phases, it, rollout)
         num_groups, num_tokens, num_seqs = _global_counts(p, phases, it, rollout.groups)
-        if p.trainer.states_spilled:
-            with phases(it, "restore", moved=sum(tr.spilled_bytes for tr, _ in _trainers(p))):
-                for trainer, _ in _trainers(p):
-                    trainer.restore_states()
+        _restore_train_states(p, phases, it)
         train = {"train_skipped": 1.0}
         if num_groups:
             with phases(it, "train"):
                 train = train_phase(p, rollout.groups, num_tokens, num_seqs)
-        if sampled is not None:
-            train = {**train, **sampled.metrics}
-        metrics, errors = _iteration_metrics(p, rollout, val, train, phases.seconds, checksum,
-                                             scored=None if sampled is None else sampled.scored)
+        train = {**train, **sampled.metrics}
+        metrics, errors = _iteration_metrics(p, rollout, val, train, phases.seconds, checksum, scored=sampled.scored)
         p.tracker.log(it, metrics)  # before the checkpoint publishes `latest` (a crash between re-runs it)
         exhausted = p.driver.data_exhausted and not p.ranks.sum([p.driver.unfinished_groups])[0]
         with phases(it, "checkpoint"):
@@ -253,6 +246,21 @@ def run_loop(parts: LoopParts, start: int, iterations: int, *, max_drop_fraction
         if exhausted:
             break
     return history
+
+
+def _rollout(p: LoopParts, bar, in_flight: int | None) -> Sampled:
+    """The iteration's rollout, and with dynamic sampling its further rounds (rl/run/dynamic_sampling.py);
+    without, `scored` is None (the trained groups are the scored ones) and there are no extra metrics."""
+    rollout = p.driver.rollout(progress=bar, groups_in_flight=in_flight)
+    return dynamic_sampling(p, rollout) if p.cfg.algo.filter_groups.enable else Sampled(rollout, None, {})
+
+
+def _restore_train_states(p: LoopParts, phases: Phases, it: int) -> None:
+    """The trained models' optimizer states back from NVMe before the update (when they were spilled)."""
+    if p.trainer.states_spilled:
+        with phases(it, "restore", moved=sum(tr.spilled_bytes for tr, _ in _trainers(p))):
+            for trainer, _ in _trainers(p):
+                trainer.restore_states()
 
 
 def final_eval(p: LoopParts, it: int) -> dict[str, float]:
