@@ -35,6 +35,11 @@ possible the very helper, of the code that allocates it:
   its element size, a tied head repeated in the last chunk (trainer/ref_stream.py's layout).
 - host pinned, host at start-up: `Sizes.host_pinned`, `Sizes.startup_host_peak`.
 - disk spilled: the NVMe store's file bytes of every chunk's states (memory/spill_format.py's plan).
+- PPO's critic (algo.critic.enable): a second trained model (models/value.py, the policy's layers
+  with a [1, D] head), counted as the policy is (`TrainedStates`): its weights, FP32 grad slots, host
+  masters / grads / moments and spill files, in the same phases (it spills and restores with the
+  policy). It trains after the policy in the train phase, so the activation peak is the larger of
+  the two: the policy's (its [V, D] head's logits).
 - time-multiplexing (memory.spill_dir and a host pool): the host pool is leased from "host_in" to
   "host_out" only; with engine.host_pool_mb=auto it is the rank's share of the host budget less what
   stays resident meanwhile (the streamed reference, the step counters). disk_kv_pool: its kept
@@ -58,6 +63,7 @@ from memory.nvme_store import NvmeStoreConfig
 from memory.spill_format import spill_layout as spill_plan
 from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
+from models.value import ValueModel
 from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
@@ -67,6 +73,18 @@ from memory.tiers import with_totals
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainedStates:
+    """What one trained model holds beside the policy (PPO's critic), bytes of one rank."""
+    weights: int
+    grad_slots: int
+    masters: int
+    """FP32 master shards; the host gradients are as many bytes, the moments twice as many."""
+    moment_steps: int
+    spill_files: int
+    spill_master_files: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +135,7 @@ class Sizes:
     grad_staging: int
     """Host, on a CUDA cluster (0 when device_is_host): the optimizer's page-locked FP32 buffer per
     bucket, one gradient shard each, that the reduced shards are copied into without a host sync
-    (trainer/optimizer.py `_copy_async`); made at the first step and kept. Not among the logged
+    (trainer/optimizer.py `_copy_async`; the critic's optimizer has its own); made at the first step and kept. Not among the logged
     host keys: the host verdict adds it to every phase."""
     host_pinned: int
     """Page-locked host bytes on a CUDA cluster (0 when device_is_host), exact sizes: the host KV pool
@@ -129,7 +147,7 @@ class Sizes:
     """Host bytes of one rank at start-up or resume: its weights in their dtype on the host while a
     checkpoint loads (models/checkpoint.py `load_weights` reads the rank's tensors, its experts only,
     before copying them in), plus the optimizer's FP32 master shards (a resume loads the weights with
-    the optimizer built). An upper bound for a fresh start, which moves the weights off the host
+    the optimizer built; PPO's critic adds its weights and masters). An upper bound for a fresh start, which moves the weights off the host
     before the masters exist."""
     spill_files: int
     spill_payload: int
@@ -147,6 +165,8 @@ class Sizes:
     context_buffers: ContextBuffers
     """The exchange buffers per layer of the largest micro-batch (zeros at C = 1); their saved part is
     inside `chunk_activation_peaks`."""
+    critic: TrainedStates | None = None
+    """PPO's value model (algo.critic.enable), None without one."""
 
     @property
     def num_train_tokens(self) -> int:
@@ -177,10 +197,11 @@ def run_dtype(cfg: RunConfig) -> torch.dtype:
     return cfg.experiment.torch_dtype
 
 
-def meta_policy(cfg: RunConfig) -> HybridLM:
-    """The policy's shape on the meta device, parameters in the run's dtype (no storage)."""
+def meta_policy(cfg: RunConfig, value: bool = False) -> HybridLM:
+    """The policy's shape on the meta device, parameters in the run's dtype (no storage); `value`:
+    PPO's critic instead (models/value.py: untied, a [1, D] head)."""
     with torch.device("meta"):
-        model = HybridLM(cfg.model)
+        model = ValueModel(cfg.model) if value else HybridLM(cfg.model)
     return cast_parameters(model, run_dtype(cfg))
 
 
@@ -380,7 +401,7 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     layout = cache_layout(cfg)
     e = cfg.engine
     pool_pages = e.pool_bytes // layout.page_bytes
-    kl = cfg.algo.loss.kl_coef > 0
+    kl = cfg.algo.loss.kl_coef > 0 or cfg.algo.kl_in_reward.coef > 0  # either builds the reference
     reference_host = _reference_host_bytes(model, chunked, rank) if kl and cfg.memory.reference == "stream" else 0
     num_masters = sum(len(chunk) for chunk in groups)
     if e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
@@ -390,24 +411,19 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         host_pages = e.host_pool_bytes // layout.page_bytes
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
-    checksum = NvmeStoreConfig().checksum
-    spill_files = spill_payload = spill_master_files = 0
-    for g in (g for chunk in groups for g in chunk):  # one spill group per sharded vector
-        states = {k: torch.empty(g.shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
-        manifest = spill_plan(f"train_states.rank0.{g.name}", states, checksum)
-        spill_files += manifest.file_bytes
-        spill_payload += manifest.payload_bytes
-        spill_master_files += spill_plan(f"train_states.rank0.{g.name}", {"master": states["master"]}, checksum).file_bytes
+    spill_files, spill_payload, spill_master_files = _spill_bytes(groups)
     batches = train_micro_batches(cfg, cluster, options, context)
     chunk_peaks, chunk_transients, buffers, layer_runs = activation_chunks(
         cfg, chunked, run_dtype(cfg), moe_grouped_mm(model, cluster), options, batches, context)
     local_batches = [local_lens(cfg.model, b, context) for b in batches]
     host_pool = host_pages * layout.page_bytes
-    grad_staging = 0 if cluster.device_is_host else 4 * sum(shards)
+    critic = _critic_states(cfg, cluster, rank) if cfg.algo.critic.enable else None
+    critic_masters = critic.masters if critic else 0  # its optimizer stages and loads as the policy's
+    grad_staging = 0 if cluster.device_is_host else 4 * sum(shards) + critic_masters
     return Sizes(
         weights=weights, weights_replicated=weights - routed, weights_routed=routed, expert_parallel=rank.expert_parallel,
         pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
-        grad_slots=max(sum(g.padded for g in chunk) for chunk in groups) * 4 * t.num_grad_slots,
+        grad_slots=_grad_slot_bytes(groups, t.num_grad_slots),
         activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
         activation_layer_runs=layer_runs,
         chunk_input_stash=chunk_input_stash_bytes(chunked, step_tokens(cfg, local_batches)),
@@ -418,11 +434,45 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=reference_host,
         grad_staging=grad_staging, host_pinned=0 if cluster.device_is_host else host_pool + reference_host + grad_staging,
-        startup_host_peak=weights + 4 * sum(shards),
+        startup_host_peak=weights + 4 * sum(shards) + (critic.weights + critic_masters if critic else 0),
         spill_files=spill_files if cfg.memory.spill_dir is not None else 0, spill_payload=spill_payload,
         spill_master_files=spill_master_files if cfg.memory.spill_dir is not None else 0,
         layout=layout, micro_batches=local_batches, context=context, chunk_context_transients=chunk_transients,
-        context_buffers=buffers)
+        context_buffers=buffers, critic=critic)
+
+
+def _grad_slot_bytes(groups: list[list[ShardGroup]], num_grad_slots: int) -> int:
+    """FP32 gradient slots of the largest VPP chunk, padded to its vectors' ranks."""
+    return max(sum(g.padded for g in chunk) for chunk in groups) * 4 * num_grad_slots
+
+
+def _spill_bytes(groups: list[list[ShardGroup]]) -> tuple[int, int, int]:
+    """(file bytes of every vector's states, their payload, file bytes of the masters alone) in the
+    NVMe store's layout (memory/spill_format.py): one spill group per sharded vector."""
+    checksum = NvmeStoreConfig().checksum
+    files = payload = master_files = 0
+    for g in (g for chunk in groups for g in chunk):
+        states = {k: torch.empty(g.shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
+        manifest = spill_plan(f"train_states.rank0.{g.name}", states, checksum)
+        files += manifest.file_bytes
+        payload += manifest.payload_bytes
+        master_files += spill_plan(f"train_states.rank0.{g.name}", {"master": states["master"]}, checksum).file_bytes
+    return files, payload, master_files
+
+
+def _critic_states(cfg: RunConfig, cluster: ClusterConfig, rank: RankParams) -> TrainedStates:
+    """PPO's value model counted as the policy is: its own Trainer over the run's chunks (rl/run/build.py
+    `build_critic`), with the same optimizer backend."""
+    model = meta_policy(cfg, value=True)
+    t = cfg.trainer
+    groups = shard_groups(ChunkedModel(model, t.num_chunks, t.chunk_split), cluster.world, rank, cluster.device_is_host)
+    files, _, master_files = _spill_bytes(groups)
+    spilled = cfg.memory.spill_dir is not None
+    return TrainedStates(weights=rank.nbytes(list(model.named_parameters())),
+                         grad_slots=_grad_slot_bytes(groups, t.num_grad_slots),
+                         masters=4 * sum(g.shard for chunk in groups for g in chunk),
+                         moment_steps=_steps_bytes(cfg, sum(len(chunk) for chunk in groups)),
+                         spill_files=files if spilled else 0, spill_master_files=master_files if spilled else 0)
 
 
 @dataclass(frozen=True)
@@ -493,5 +543,13 @@ def plan_phases(cfg: RunConfig, sizes: Sizes, world: int) -> list[PhaseMemory]:
                       "host_reference": sizes.reference_host,
                       "disk_spilled": (sizes.spill_files if moments else sizes.spill_master_files) if spilled else 0,
                       "disk_kv_pool": sizes.parked_bound if parked and kv_on_disk else 0}
+            if sizes.critic is not None:  # the second trained model, in the same states as the policy's
+                c = sizes.critic
+                memory["device_weights"] += c.weights
+                memory["device_grad_slots"] += c.grad_slots
+                memory["host_masters"] += 0 if spilled else c.masters
+                memory["host_moments"] += ((0 if spilled else 2 * c.masters) + c.moment_steps) if moments else 0
+                memory["host_grads"] += c.masters if train else 0
+                memory["disk_spilled"] += (c.spill_files if moments else c.spill_master_files) if spilled else 0
             out.append(PhaseMemory(iteration, phase, with_totals(memory)))
     return out

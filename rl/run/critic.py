@@ -10,7 +10,7 @@ beside the policy's (`critic/` in each checkpoint).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class Critic:
     model: ValueModel
     trainer: Trainer
     config: CriticConfig
+    peaks: dict[str, int] = field(default_factory=dict)
+    """Its trainer's memory meter over the last `update` (activation and host-gradient peaks): the train
+    phase's memory report reads it beside the policy's."""
 
     @torch.no_grad()
     def values(self, batch, micro_batch_tokens: int | None) -> torch.Tensor:
@@ -38,15 +41,16 @@ class Critic:
         policy_tokens = [sum(t.policy[1:]) for t in batch.trajectories]
         sums = {"vf_loss": 0.0, "vf_clip_frac": 0.0, "vpred_mean": 0.0}
         weight, metrics = 0.0, {}
-        for _ in range(epochs):
-            for seqs in splits:
-                total = max(1, global_tokens if len(splits) == 1 else sum(policy_tokens[i] for i in seqs))
-                parts = []
-                metrics = self._step(batch, seqs, old_values, returns, total, micro_batch_tokens, parts)
-                for tokens, m in parts:
-                    weight += tokens
-                    for key in sums:
-                        sums[key] += tokens * m[key]
+        with self.trainer.memory_meter() as self.peaks:  # innermost: the policy's meter does not see these steps
+            for _ in range(epochs):
+                for seqs in splits:
+                    total = max(1, global_tokens if len(splits) == 1 else sum(policy_tokens[i] for i in seqs))
+                    parts = []
+                    metrics = self._step(batch, seqs, old_values, returns, total, micro_batch_tokens, parts)
+                    for tokens, m in parts:
+                        weight += tokens
+                        for key in sums:
+                            sums[key] += tokens * m[key]
         out = {f"critic/{k}": v / weight if weight else 0.0 for k, v in sums.items()}
         out.update({f"critic/{k}": metrics[k] for k in ("grad_norm", "lr") if k in metrics})
         return out

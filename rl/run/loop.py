@@ -178,10 +178,12 @@ class Phases:
             "host_reference": ref.host_bytes if isinstance(ref, StreamedReference) and ref.host is not None else 0,
             "disk_spilled": trainer["disk_spilled"], "disk_kv_pool": engine["disk_kv_pool"]})
         if p.critic is not None:  # the second trained model: its weights, slots and host states
-            critic = p.critic.trainer.memory()
+            critic = p.critic.trainer.memory(p.critic.peaks if peaks is not None else None)
             out["device_weights"] += _storage_bytes(p.critic.model.parameters(), seen)
             for key in ("device_grad_slots", "host_masters", "host_moments", "host_grads", "disk_spilled"):
                 out[key] += critic[key]
+            # it trains after the policy: the phase's activation peak is the larger of the two
+            out["device_activation_peak"] = max(out["device_activation_peak"], critic["device_activation_peak"])
             out = with_totals({k: v for k, v in out.items() if not k.endswith("_total")})
             trainer = {**trainer, "train_host": trainer["train_host"] + critic["train_host"]}
         out.update(train_host=trainer["train_host"], engine_weight_copies=engine["engine_weight_copies"])

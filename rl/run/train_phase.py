@@ -60,11 +60,7 @@ def _kept(batch: PackedBatch, kept: list[int], values, ref):
     """The batch of the sequences `kept`, with the rows of the critic's values and the reference's logprobs."""
     if len(kept) == batch.num_sequences:
         return batch, values, ref
-    offsets = [0]
-    for n in batch.seq_lens:
-        offsets.append(offsets[-1] + n)
-    rows = torch.tensor([r for i in kept for r in range(offsets[i], offsets[i + 1])], dtype=torch.long,
-                        device=batch.token_ids.device)
+    rows = batch.rows_of(kept)
     return batch.select(kept), None if values is None else values[rows], None if ref is None else ref[rows]
 
 

@@ -65,12 +65,16 @@ class PackedBatch:
             self.rewards = packed(shaped_rewards(groups, advantage, max_new_tokens or 0), torch.float32)
             self.advantages = torch.zeros(len(self.token_ids), device=device)  # set by advantages.estimate
 
+    def rows_of(self, keep: Sequence[int]) -> torch.Tensor:
+        """[rows] the packed row indices of sequences `keep` (indices, in order), for any per-row tensor."""
+        offsets = _starts(self.seq_lens)
+        return torch.tensor([r for i in keep for r in range(offsets[i], offsets[i] + self.seq_lens[i])],
+                            dtype=torch.long, device=self.token_ids.device)
+
     def select(self, keep: Sequence[int]) -> "PackedBatch":
         """The batch of sequences `keep` (indices, in order): rows, advantages and returns gathered."""
         out = object.__new__(PackedBatch)
-        offsets = _starts(self.seq_lens)
-        rows = torch.tensor([r for i in keep for r in range(offsets[i], offsets[i] + self.seq_lens[i])],
-                            dtype=torch.long, device=self.token_ids.device)
+        rows = self.rows_of(keep)
         out.trajectories = [self.trajectories[i] for i in keep]
         out.seq_lens = [self.seq_lens[i] for i in keep]
         out.group_sizes = [len(keep)]  # groups are not read after selection

@@ -24,7 +24,12 @@ LONG_CONTEXT = ["train_peak_ratio_32k_vs_8k", "train_tok_s_32k_vs_2k", "prefill_
                 *(f"rollout_{f}_{c}k" for c in (16, 64) for f in ("peak_bytes", "prefill_tok_s", "decode_tok_s")),
                 *(f"scenario_{k}" for k in ("prefilled", "new", "host_bytes_stored", "host_bytes_loaded"))]
 
+ALGORITHMS = [*(f"{p}_{k}" for p in ("grpo", "rloo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "dapo",
+                                    "gspo", "cispo") for k in ("final_reward", "iters_to_0.8", "s_per_iter_vs_grpo")),
+              "mismatch_k3", "grpo_s_per_iter"]
+
 KEYS = {
+    "algorithms": ALGORITHMS,
     "context_parallel": ["cp2_peak_vs_cp1", "cp4_peak_vs_cp1", "cp4_max_tokens_vs_cp1", "cp2_step_time_vs_cp1",
                          "cp_comm_bytes_vs_model", "cp_logprob_rel_err", "cp_grad_rel_err", "plan_48b_1m_tokens_fits",
                          "plan_48b_1m_seconds", "cp2_kda_gather_vs_handoff_time", "cp4_kda_gather_vs_handoff_time",

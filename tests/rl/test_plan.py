@@ -313,3 +313,29 @@ def test_the_command_line_prints_the_new_figures_and_its_time():
                  "train phase device peak", "host pinned", "host at start-up", "startup (host per node",
                  "planned in"):
         assert line in text, line
+
+
+def test_ppo_critic_is_planned_as_a_second_trained_model(tmp_path):
+    """PPO's critic in every phase: its weights and grad slots on the device, its masters, moments and
+    gradients on the host, its spill files on NVMe, as the run measures them (KL in the reward builds
+    the streamed reference too)."""
+    overrides = ["algo=ppo", "memory.spill_dir=nvme", "algo.kl_in_reward.coef=0.05", "memory.reference=stream"]
+    planned, measured = plan_vs_run(tmp_path, overrides, seq_len=prompt_len() + 3)
+    assert list(planned) == list(measured)
+    for key, plan in planned.items():
+        got = measured[key]
+        exact = {k: (v, got[k]) for k, v in plan.items() if k not in APPROX and v != got[k]}
+        assert not exact, f"{key}: planned != measured {exact}"
+        for k in APPROX:
+            assert got[k] == 0 if plan[k] == 0 else abs(plan[k] / got[k] - 1) < 0.05, (key, k, plan[k], got[k])
+    cfg = composed(f"run_dir={tmp_path}", *SMALL, *overrides)
+    with_critic = make_plan(cfg, CPU, PlanOptions(seq_len=prompt_len() + 3)).sizes
+    alone = make_plan(composed(f"run_dir={tmp_path}", *SMALL, *overrides, "algo.advantage=grpo",
+                               "algo.critic.enable=false"), CPU, PlanOptions(seq_len=prompt_len() + 3)).sizes
+    critic = with_critic.critic
+    assert alone.critic is None and critic is not None and with_critic.masters == alone.masters
+    # the value model is the policy's trunk with a [1, D] head in place of the policy's own [V, D] head
+    # (none when the policy ties it to the embedding); one rank: a shard is the whole vector
+    d, v = cfg.model.hidden_size, cfg.model.vocab_size
+    assert critic.masters == alone.masters - (0 if cfg.model.tie_word_embeddings else 4 * v * d) + 4 * d
+    assert measured[(1, "train")]["host_grads"] == measured[(1, "train")]["host_masters"] > alone.masters
