@@ -8,7 +8,8 @@ REPO is the project tree the attacks aim at; SRC (default REPO) the tree `rl.env
 
 It imports only rl/envs/tools/ (stdlib modules), and uses only `Sandbox`, `SandboxConfig(cpu_time_s,
 wall_time_s, memory_mb, max_output_bytes, max_processes, workers, python, audit_hook)` and `ExecResult`'s
-ok/reason/stdout/stderr, so the same suite runs against an older sandbox to show what it let through.
+ok/reason/stdout/stderr, so the same suite runs against an older sandbox to show what it let through
+(the system call classes take their numbers from rl/envs/tools/seccomp.py's table, the kernel's).
 """
 import contextlib
 import json
@@ -23,6 +24,45 @@ import threading
 import time
 
 TAG = "rt" + secrets.token_hex(6)  # a marker no host file or process holds unless an attack put it there
+
+
+SYSCALL_CLASSES = {  # the kernel interfaces the seccomp filter denies, by class: (call, its arguments)
+    "kernel keyring": [("keyctl", (0, -3, 0)), ("add_key", (b"user", b"k", b"v", 1, -3)),
+                       ("request_key", (b"user", b"k", None, -3))],
+    "bpf and perf counters": [("bpf", (0, 0, 0)), ("perf_event_open", (0, 0, -1, -1, 0))],
+    "userfaultfd": [("userfaultfd", (0,))],
+    "another process's memory": [("process_vm_readv", (1, 0, 0, 0, 0, 0)), ("process_vm_writev", (1, 0, 0, 0, 0, 0)),
+                                 ("kcmp", (1, 1, 0, 0, 0))],
+    "mount": [("mount", (b"none", b"/tmp", b"tmpfs", 0, 0)), ("umount2", (b"/tmp", 0)), ("pivot_root", (b"/", b"/")),
+              ("fsopen", (b"tmpfs", 0)), ("open_tree", (-100, b"/", 0))],
+    "new namespaces": [("unshare", (0x10000000,)), ("setns", (-1, 0)), ("clone", (0x10000011, 0, 0, 0, 0))],
+    "kernel replacement and modules": [("kexec_load", (0, 0, 0, 0)), ("kexec_file_load", (-1, -1, 0, 0, 0)),
+                                       ("init_module", (0, 0, b"")), ("finit_module", (-1, b"", 0)),
+                                       ("delete_module", (b"x", 0))],
+    "host administration": [("swapon", (b"/tmp/x", 0)), ("swapoff", (b"/tmp/x",)), ("reboot", (0, 0, 0, 0)),
+                            ("acct", (None,)), ("quotactl", (0, None, 0, 0)), ("settimeofday", (0, 0)),
+                            ("clock_settime", (0, 0)), ("syslog", (10, None, 0))],
+    "io_uring": [("io_uring_setup", (1, 0))],
+    "open by handle": [("open_by_handle_at", (-1, 0, 0)), ("name_to_handle_at", (-100, b"/", 0, 0, 0))],
+}
+
+
+def syscall_job(calls: list) -> str:
+    """A job calling each (name, args) by number through libc.syscall and printing `name result`
+    (-errno on failure); a clone that went through exits its child at once."""
+    try:
+        from rl.envs.tools.seccomp import SYSCALLS, host_arch
+        table = SYSCALLS.get(host_arch(), {})
+    except ImportError:  # an older sandbox: no table here
+        table = {}
+    lines = ["import ctypes, os", "libc = ctypes.CDLL(None, use_errno=True)",
+             "libc.syscall.restype = ctypes.c_long"]
+    for name, args in calls:
+        if name in table:
+            lines.append(f"r = libc.syscall({table[name]}, *{args!r})")
+            lines.append("if r == 0 and os.getpid() != PID:\n    os._exit(0)")
+            lines.append(f"print({name!r}, r if r >= 0 else -ctypes.get_errno(), flush=True)")
+    return "\n".join(["import os", "PID = os.getpid()", *lines])
 
 
 def attacks(repo: str, caller: dict) -> list[dict]:
@@ -94,6 +134,7 @@ def attacks(repo: str, caller: dict) -> list[dict]:
         dict(name="find files left by the last call", hook=False, code=probe + (
             f"import os\nprobe(lambda: open('left-{TAG}').read())\nprobe(lambda: open('/tmp/left2-{TAG}').read())\n"
             f"probe(lambda: [n for n in os.listdir('.') if '{TAG}' in n])\n")),
+        *(dict(name=f"system calls: {name}", hook=False, code=syscall_job(calls)) for name, calls in SYSCALL_CLASSES.items()),
     ]
 
 

@@ -5,6 +5,7 @@ file is absent, the signal never arrived, the sibling worker finished, no proces
 Most attacks run with the audit hook OFF: the OS layers must hold on their own (the hook is a second layer
 that code can get around); the two attacks on the hook itself run with it on. The driver uses only the API
 an older sandbox had, so the same suite, run against it, shows what it let through."""
+import errno
 import json
 import os
 import pwd
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.rl.redteam_driver import attacks
+from rl.envs.tools.seccomp import SYSCALLS, host_arch
+from tests.rl.redteam_driver import SYSCALL_CLASSES, attacks
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("redteam_driver.py")
@@ -117,6 +119,17 @@ CHECKS = {
     "leave files for the next call": lambda r, tag: r["ok"],
     "find files left by the last call": lambda r, tag: r["stdout"].count("refused") == 2 and "got []" in r["stdout"],
 }
+
+
+def denied_with_eperm(r: dict, calls: list) -> bool:
+    """Every call of the class that exists here printed `name -1` (EPERM), and nothing else printed."""
+    expected = [name for name, _ in calls if name in SYSCALLS.get(host_arch(), {})]
+    lines = [line.split() for line in r["stdout"].splitlines() if line.strip()]
+    return r["ok"] and bool(expected) and lines == [[name, str(-errno.EPERM)] for name in expected]
+
+
+CHECKS |= {f"system calls: {name}": lambda r, tag, calls=calls: denied_with_eperm(r, calls)
+           for name, calls in SYSCALL_CLASSES.items()}
 
 
 def test_every_attack_has_a_check():

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.envs.tools import bwrap
+from rl.envs.tools import bwrap, seccomp
 from rl.envs.tools.bwrap import BACKENDS, SCRATCH, SandboxUnavailable
 
 __all__ = ["BACKENDS", "REASONS", "ExecResult", "PoolStats", "Sandbox", "SandboxConfig", "SandboxSettings",
@@ -79,6 +79,7 @@ class SandboxConfig:
     workers: int = 4  # warm workers kept ready ahead of calls
     python: str = sys.executable  # interpreter that runs the jobs
     audit_hook: bool = True  # the Python-level second line of defence; False only to test the OS layers
+    seccomp: bool = True  # the system call filter (rl/envs/tools/seccomp.py) under the bwrap backend
     backend: str | None = None  # "bwrap" or "none" (no isolation); None: the run's `sandbox.backend`
 
     def __post_init__(self):
@@ -88,6 +89,7 @@ class SandboxConfig:
                   ("wall_time_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
                   ("python", lambda v: isinstance(v, str) and os.access(v, os.X_OK), "an executable Python"),
                   ("audit_hook", lambda v: isinstance(v, bool), "True or False"),
+                  ("seccomp", lambda v: isinstance(v, bool), "True or False"),
                   ("backend", lambda v: v is None or v in BACKENDS, f"None or one of {', '.join(BACKENDS)}")]
         for name, least in (("memory_mb", 32), ("max_output_bytes", 1), ("max_file_bytes", 0),
                             ("max_processes", 1), ("workers", 0), ("scratch_mb", 1)):
@@ -208,6 +210,9 @@ class Sandbox:
         else:
             LOG.warning("sandbox.backend=none: model-written code runs WITHOUT isolation (a plain process with "
                         "rlimits and an audit hook that code can switch off); use sandbox.backend=bwrap")
+        arch = seccomp.machine() if self.backend == "bwrap" and self.config.seccomp else None
+        self._filter = seccomp.program(arch).hex() if arch else None  # ValueError names an unknown architecture
+        self._keyctl_nr = seccomp.SYSCALLS.get(arch or seccomp.host_arch(), {}).get("keyctl")
         self._uids = bwrap.SlotUids(self._root)
         self._cond = threading.Condition()
         self._ready: deque[_Worker] = deque()
@@ -228,7 +233,8 @@ class Sandbox:
                            "memory_bytes": cfg.memory_mb << 20, "max_file_bytes": cfg.max_file_bytes,
                            "max_processes": cfg.max_processes, "num_files": NUM_FILES, "memory_exit": MEMORY_EXIT,
                            "drop_to": worker.uid if sandboxed and self._root else None,
-                           "audit_hook": cfg.audit_hook})
+                           "audit_hook": cfg.audit_hook, "keyctl_nr": self._keyctl_nr,
+                           "seccomp": self._filter if sandboxed else None})
         info_r = info_w = -1
         try:
             if sandboxed:

@@ -3,8 +3,10 @@
 It is sent as text: inside bubblewrap the project tree does not exist, only the interpreter and its standard
 library. It imports nothing of ours. Order: rlimits (while still root, so RLIMIT_NPROC binds once the uid
 is the slot's; root ignores it), the uid drop (as root only: bubblewrap started it with CAP_SETUID and
-CAP_SETGID, which the drop clears), no_new_privs, the audit hook last (the set-up itself uses ctypes). Then
-"READY {notes}" on stdout, one job read from stdin, run, exit: one worker, one job.
+CAP_SETGID, which the drop clears), no_new_privs, a fresh anonymous session keyring (nothing of the
+caller's keyring is reachable, filter or not), the seccomp filter (its compiled program comes in the spec:
+rl/envs/tools/seccomp.py; nothing after it needs a denied call), the audit hook last (the set-up itself
+uses ctypes). Then "READY {notes}" on stdout, one job read from stdin, run, exit: one worker, one job.
 
 The audit hook is a second layer only: code that corrupts the interpreter's memory removes it, and the
 boundary is the OS (bubblewrap's namespaces, the uid, the rlimits). It refuses what model code has no use
@@ -41,7 +43,32 @@ def drop(spec):
     for path in sys.path:
         if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):
             raise SystemExit(f"sandbox: uid {os.getuid()} cannot read {path}; see docs/sandbox.md")
-    return {"uid": os.getuid(), "pid": os.getpid(), "no_new_privs": nnp, "root": os.getuid() == 0}
+    return {"uid": os.getuid(), "pid": os.getpid(), "no_new_privs": nnp, "root": os.getuid() == 0,
+            "session_keyring": new_keyring(libc, spec["keyctl_nr"])}
+
+
+def new_keyring(libc, keyctl_nr):
+    """Join a new anonymous session keyring (KEYCTL_JOIN_SESSION_KEYRING, no name); its serial, or None
+    where the host refuses keyctl already (e.g. a container's own filter) or the architecture is unknown."""
+    if keyctl_nr is None:
+        return None
+    serial = libc.syscall(keyctl_nr, 1, None)
+    return serial if serial > 0 else None
+
+
+def filter_calls(spec):
+    """Load the seccomp program (hex of struct sock_filter[]) with prctl(PR_SET_SECCOMP, FILTER); needs
+    no_new_privs. A refusal is a start failure: the pool reports it, no job runs unfiltered."""
+    program = bytes.fromhex(spec["seccomp"])
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = Fprog(len(program) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise SystemExit(f"sandbox: the seccomp filter was refused: {os.strerror(ctypes.get_errno())}")
 
 
 def install_hook(workdir):
@@ -107,6 +134,9 @@ def main():
     limit(spec)
     notes = drop(spec)
     os.chdir(spec["workdir"])
+    if spec["seccomp"] is not None:
+        filter_calls(spec)
+    notes["seccomp"] = spec["seccomp"] is not None
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # the set-up's ctypes is not handed to the job
     if spec["audit_hook"]:
