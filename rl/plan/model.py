@@ -52,15 +52,12 @@ dict are those `Phases.memory()` logs to phases.jsonl.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 
 from memory.layout import CacheLayout
 from memory.pinned import pinned_bytes_rounded
-from memory.nvme_store import NvmeStoreConfig
-from memory.spill_format import spill_layout as spill_plan
 from models.mlp import Experts, grouped_mm_usable
 from models.model import HybridLM
 from models.value import ValueModel
@@ -68,23 +65,12 @@ from models.precision import cast_parameters, parse_dtype
 from rl.config import RunConfig
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
 from rl.plan.context_memory import ContextBuffers, activation_chunks, check_context, local_lens
+from rl.plan.shards import (RankParams, TrainedStates, gather_peak_bytes, grad_slot_bytes, is_routed,
+                            shard_groups, spill_bytes, steps_bytes)
 from rl.run.update import mini_batch_split
 from memory.tiers import with_totals
 from trainer.chunks import ChunkedModel
 from trainer.step import micro_batches
-
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainedStates:
-    """What one trained model holds beside the policy (PPO's critic), bytes of one rank."""
-    weights: int
-    grad_slots: int
-    masters: int
-    """FP32 master shards; the host gradients are as many bytes, the moments twice as many."""
-    moment_steps: int
-    spill_files: int
-    spill_master_files: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,28 +201,6 @@ def cache_layout(cfg: RunConfig) -> CacheLayout:
                                  hash_block=e.prefix_cache.hash_block if e.prefix_cache else None)
 
 
-ROUTED_EXPERTS = re.compile(r"\.mlp\.experts\.w[123]$")
-"""Names of the routed experts' stacked parameters [num_experts, ...]: what expert parallelism splits."""
-
-
-def is_routed(name: str) -> bool:
-    return ROUTED_EXPERTS.search(name) is not None
-
-
-@dataclass(frozen=True)
-class RankParams:
-    """A model's parameters as one rank of an expert-parallel group holds them: every parameter whole,
-    except the routed experts, of which it holds 1/`expert_parallel` (whole experts)."""
-
-    expert_parallel: int
-
-    def numel(self, name: str, p: torch.Tensor) -> int:
-        return p.numel() // self.expert_parallel if is_routed(name) else p.numel()
-
-    def nbytes(self, named) -> int:
-        return sum(self.numel(n, p) * p.element_size() for n, p in named)
-
-
 def _reference_host_bytes(model: HybridLM, chunked: ChunkedModel, rank: RankParams) -> int:
     """trainer/ref_stream.py's host layout: per chunk its parameters back to back (this rank's share
     of the routed experts), each aligned to its element size; a tied head's embedding is repeated in
@@ -253,79 +217,6 @@ def _reference_host_bytes(model: HybridLM, chunked: ChunkedModel, rank: RankPara
     return total
 
 
-@dataclass(frozen=True)
-class ShardGroup:
-    """One flat vector of a chunk's parameters sharded over a group of ranks (trainer/optimizer.py `Bucket`)."""
-
-    name: str
-    """The bucket's name: "chunk{c}", or "chunk{c}.experts" for its routed experts."""
-    numel: int
-    """Elements of the flat vector on this rank before padding."""
-    ranks: int
-    """Ranks it is sharded over (padded to a multiple of them)."""
-    largest_param_bytes: int
-    """Bytes of its largest parameter in the parameter's own dtype (the step's per-parameter cast)."""
-    cast_needed: bool
-    """Whether copying the gathered FP32 vector into the parameters makes a temporary: some parameter
-    is not FP32, or the vector is on the host and the parameters on a GPU."""
-
-    @property
-    def shard(self) -> int:
-        return math.ceil(self.numel / self.ranks)
-
-    @property
-    def padded(self) -> int:
-        return self.shard * self.ranks
-
-
-def shard_groups(chunked: ChunkedModel, world: int, rank: RankParams, device_is_host: bool) -> list[list[ShardGroup]]:
-    """Per VPP chunk, the flat vectors its optimizer shards are cut from (trainer/optimizer.py
-    `ShardedHostAdamW.buckets`). parallel.expert=1: one per chunk over the whole world.
-    parallel.expert=N > 1: the chunk's replicated parameters over the world, its routed experts (this
-    rank's 1/N of them) over the expert-data-parallel group of world / N ranks (the ranks holding the
-    same experts)."""
-    out = []
-    for c in range(len(chunked.specs)):
-        named = chunked.chunk_parameters(c)
-        routed = [(n, p) for n, p in named if is_routed(n)]
-        parts = ([(f"chunk{c}", named, world)] if rank.expert_parallel == 1 or not routed else
-                 [(f"chunk{c}", [(n, p) for n, p in named if not is_routed(n)], world),
-                  (f"chunk{c}.experts", routed, world // rank.expert_parallel)])
-        groups = []
-        for name, params, ranks in parts:
-            if not params:
-                continue
-            on_host = ranks == 1  # no gather: the host master is copied into the parameters
-            groups.append(ShardGroup(
-                name=name, numel=sum(rank.numel(n, p) for n, p in params), ranks=ranks,
-                largest_param_bytes=max(rank.numel(n, p) * p.element_size() for n, p in params),
-                cast_needed=any(p.dtype != torch.float32 for _, p in params) or (on_host and not device_is_host)))
-        out.append(groups)
-    return out
-
-
-def gather_peak_bytes(groups: list[ShardGroup]) -> int:
-    """ShardedHostAdamW.step's device temporaries, in its order (chunk after chunk, each vector):
-    `mine = master.data.to(device)` (shard), `pieces = [empty_like(mine)] * ranks`, `flat =
-    torch.cat(pieces)` (ranks x shard each), all FP32, then one parameter at a time the gathered slice
-    cast to its dtype. Each name keeps the previous vector's tensor until it is rebound, so a new
-    allocation meets the old one; a vector over one rank is not gathered (`flat` = the host master)."""
-    mine = pieces = flat = peak = 0
-    for g in groups:
-        if g.ranks > 1:
-            new_mine, new_pieces = 4 * g.shard, 4 * g.padded
-            peak = max(peak, mine + pieces + flat + new_mine)
-            mine = new_mine
-            peak = max(peak, mine + pieces + flat + new_pieces)
-            pieces = new_pieces
-            peak = max(peak, mine + pieces + flat + new_pieces)
-            flat = new_pieces
-        else:
-            flat = 0
-        peak = max(peak, mine + pieces + flat + (g.largest_param_bytes if g.cast_needed else 0))
-    return peak
-
-
 def step_tokens(cfg: RunConfig, micro_batches: list[list[int]]) -> int:
     """Tokens of the largest optimizer step among this rank's sequences (algo.mini_batches splits
     them into consecutive runs, rl/run/update.py `mini_batch_split`)."""
@@ -340,11 +231,6 @@ def chunk_input_stash_bytes(chunked: ChunkedModel, num_tokens: int) -> int:
     distinct = 1 + sum(1 for c in range(1, len(specs)) if specs[c - 1].layers)
     hidden = chunked.model.model.embed_tokens.weight
     return distinct * num_tokens * hidden.shape[1] * hidden.element_size()
-
-
-def _steps_bytes(cfg: RunConfig, num_masters: int) -> int:
-    # torch's AdamW keeps `step` as a float32 0-dim tensor per master; DeepSpeed's CPU Adam an int.
-    return 4 * num_masters if cfg.trainer.optimizer.backend == "torch" else 0
 
 
 def moe_grouped_mm(model: HybridLM, cluster: ClusterConfig) -> bool:
@@ -406,12 +292,12 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     num_masters = sum(len(chunk) for chunk in groups)
     if e.host_pool_mb == "auto":  # what the ledger has free while the states are on NVMe
         rank_budget = host_budget_bytes(cfg, cluster) // cluster.gpus_per_node
-        host_pages = max(0, rank_budget - reference_host - _steps_bytes(cfg, num_masters)) // layout.page_bytes
+        host_pages = max(0, rank_budget - reference_host - steps_bytes(cfg, num_masters)) // layout.page_bytes
     else:
         host_pages = e.host_pool_bytes // layout.page_bytes
     partial_kv = (cfg.rollout.partial_resume == "kv"
                   and (cfg.rollout.budget_tokens is not None or cfg.rollout.budget_seconds is not None))
-    spill_files, spill_payload, spill_master_files = _spill_bytes(groups)
+    spill_files, spill_payload, spill_master_files = spill_bytes(groups)
     batches = train_micro_batches(cfg, cluster, options, context)
     chunk_peaks, chunk_transients, buffers, layer_runs = activation_chunks(
         cfg, chunked, run_dtype(cfg), moe_grouped_mm(model, cluster), options, batches, context)
@@ -423,13 +309,13 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
     return Sizes(
         weights=weights, weights_replicated=weights - routed, weights_routed=routed, expert_parallel=rank.expert_parallel,
         pool=pool_pages * layout.page_bytes, pool_pages=pool_pages,
-        grad_slots=_grad_slot_bytes(groups, t.num_grad_slots),
+        grad_slots=grad_slot_bytes(groups, t.num_grad_slots),
         activation_peak=max(chunk_peaks), chunk_activation_peaks=chunk_peaks,
         activation_layer_runs=layer_runs,
         chunk_input_stash=chunk_input_stash_bytes(chunked, step_tokens(cfg, local_batches)),
         optimizer_gather_peak=gather_peak_bytes([g for chunk in groups for g in chunk]),
         reference_device=weights if kl and cfg.memory.reference == "resident" else 0,
-        masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=_steps_bytes(cfg, num_masters),
+        masters=4 * sum(shards), moments=8 * sum(shards), moment_steps=steps_bytes(cfg, num_masters),
         grads=4 * sum(shards), host_pool=host_pool,
         parked_bound=min(host_pages, pool_pages) * layout.page_bytes if partial_kv else 0,
         reference_host=reference_host,
@@ -441,37 +327,18 @@ def plan_sizes(cfg: RunConfig, cluster: ClusterConfig, options: PlanOptions = Pl
         context_buffers=buffers, critic=critic)
 
 
-def _grad_slot_bytes(groups: list[list[ShardGroup]], num_grad_slots: int) -> int:
-    """FP32 gradient slots of the largest VPP chunk, padded to its vectors' ranks."""
-    return max(sum(g.padded for g in chunk) for chunk in groups) * 4 * num_grad_slots
-
-
-def _spill_bytes(groups: list[list[ShardGroup]]) -> tuple[int, int, int]:
-    """(file bytes of every vector's states, their payload, file bytes of the masters alone) in the
-    NVMe store's layout (memory/spill_format.py): one spill group per sharded vector."""
-    checksum = NvmeStoreConfig().checksum
-    files = payload = master_files = 0
-    for g in (g for chunk in groups for g in chunk):
-        states = {k: torch.empty(g.shard, dtype=torch.float32, device="meta") for k in ("master", "exp_avg", "exp_avg_sq")}
-        manifest = spill_plan(f"train_states.rank0.{g.name}", states, checksum)
-        files += manifest.file_bytes
-        payload += manifest.payload_bytes
-        master_files += spill_plan(f"train_states.rank0.{g.name}", {"master": states["master"]}, checksum).file_bytes
-    return files, payload, master_files
-
-
 def _critic_states(cfg: RunConfig, cluster: ClusterConfig, rank: RankParams) -> TrainedStates:
     """PPO's value model counted as the policy is: its own Trainer over the run's chunks (rl/run/build.py
     `build_critic`), with the same optimizer backend."""
     model = meta_policy(cfg, value=True)
     t = cfg.trainer
     groups = shard_groups(ChunkedModel(model, t.num_chunks, t.chunk_split), cluster.world, rank, cluster.device_is_host)
-    files, _, master_files = _spill_bytes(groups)
+    files, _, master_files = spill_bytes(groups)
     spilled = cfg.memory.spill_dir is not None
     return TrainedStates(weights=rank.nbytes(list(model.named_parameters())),
-                         grad_slots=_grad_slot_bytes(groups, t.num_grad_slots),
+                         grad_slots=grad_slot_bytes(groups, t.num_grad_slots),
                          masters=4 * sum(g.shard for chunk in groups for g in chunk),
-                         moment_steps=_steps_bytes(cfg, sum(len(chunk) for chunk in groups)),
+                         moment_steps=steps_bytes(cfg, sum(len(chunk) for chunk in groups)),
                          spill_files=files if spilled else 0, spill_master_files=master_files if spilled else 0)
 
 

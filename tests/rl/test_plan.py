@@ -21,7 +21,8 @@ from models.tokenizer import load_tokenizer
 from rl.plan.cli import compose_plan_inputs, main, make_plan, phase_records, plan_summary, world_size
 from rl.plan.activation import SavedTensorMeter, activation_peak_bytes
 from rl.plan.cluster import GIB, ClusterConfig, PlanOptions
-from rl.plan.model import ShardGroup, chunk_input_stash_bytes, gather_peak_bytes, moe_grouped_mm, plan_sizes
+from rl.plan.model import chunk_input_stash_bytes, moe_grouped_mm, plan_sizes
+from rl.plan.shards import ShardGroup, gather_peak_bytes
 from rl.train import run
 from rollout.engine import Engine, EngineConfig
 from tests.rl.test_config import CONFIGS, composed
