@@ -16,6 +16,7 @@ colocated cycle (sleep/wake, the host pool's lease and spill, weights) are rollo
 from __future__ import annotations
 
 import itertools
+import time
 import zlib
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -227,10 +228,15 @@ class Engine(EnginePhases):
         finished: list[RequestOutput] = []
         self.lockstep.before_step(bool(scheduled.seqs), self.has_unfinished)  # expert parallelism: the group's step
         if scheduled.seqs:
+            t0 = time.perf_counter()
+            decoding = all(n == 1 and s.num_computed == s.num_tokens - 1
+                           for s, n in zip(scheduled.seqs, scheduled.num_new_tokens))  # before the plan extends them
             verify = self.speculator.plan(scheduled) if self.speculator is not None else None
             plan = self._prepare(scheduled)
             logits, settings, verified = self._run(scheduled, plan, verify)
             finished = self._postprocess(self._sample(plan, logits, settings) + verified)
+            if self.speculator is not None and decoding:
+                self.speculator.observe_step(len(scheduled.seqs), verify, time.perf_counter() - t0)
         self.num_steps += 1
         if not self.scheduler.has_work:
             self.cache.idle()

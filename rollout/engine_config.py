@@ -36,7 +36,7 @@ class ContextTooLong(ValueError):
         """Pages one sequence of the prompt + 1 generated token needs."""
         self.pool_pages = pool_pages
 
-SPECULATIVE = ("off", "ngram", "draft")
+SPECULATIVE = ("off", "ngram", "suffix", "draft")
 """Speculative decoding methods (`EngineConfig.speculative`)."""
 
 
@@ -78,8 +78,9 @@ class EngineConfig:
     takes the model's dtype: the recurrent state integrates every token, so FP32 by default."""
     speculative: str = "off"
     """Speculative decoding (rollout/speculative/speculation.py): "off", "ngram" (prompt lookup: proposals copied from
-    earlier text, no extra model) or "draft" (proposals sampled from `draft_model`), verified in one
-    forward with the target's exact distribution and logprobs."""
+    earlier text, no extra model), "suffix" (a suffix tree per prompt over its group's and its earlier
+    responses: rollout/speculative/suffix_tree.py) or "draft" (proposals sampled from `draft_model`), verified
+    in one forward with the target's exact distribution and logprobs."""
     draft_model: str | None = None
     """With speculative=draft: a checkpoint directory of ours (`python -m rl.export` writes one; its
     vocabulary must be the target's), or a model config YAML (configs/model/*.yaml: randomly initialised,
@@ -90,12 +91,21 @@ class EngineConfig:
     """Shortest suffix the n-gram proposer looks up in the sequence's earlier tokens."""
     ngram_max: int = 4
     """Longest suffix it looks up (the longest that matches wins)."""
-    speculative_row_cost: float = 0.016
+    suffix_max_depth: int = 16
+    """speculative=suffix: the longest substring the trees index (a match uses at most this - 1 tokens)."""
+    suffix_max_tokens: int = 1 << 16
+    """speculative=suffix: tokens stored over every tree (each adds at most suffix_max_depth nodes); the
+    oldest texts are evicted past it."""
+    suffix_min_share: float = 0.3
+    """speculative=suffix: a proposal stops at a continuation seen in fewer than this share of the cases."""
+    speculative_row_cost: float | str = 0.016
     """What one more token row costs in a step, as a share of a decode step's fixed part: a sequence
     verifies the proposals whose chance of being kept pays for their row (rollout/speculative/speculation.py
     `Speculator.worth`). Measured on this project's CPU path with the tiny model: fixed part ~3 ms, a
     row ~50 us, so ~1/64. On a GPU, where decode is bound by reading the weights, a row costs far less:
-    lower it (not measured on a GPU); 0 = rows are free: verify every proposal, up to num_speculative_tokens."""
+    lower it (not measured on a GPU); 0 = rows are free: verify every proposal, up to num_speculative_tokens.
+    "fitted": fitted to this engine's measured decode steps (rollout/speculative/cost_model.py; 0.016 the
+    prior), which makes the choice depend on timing (the output stays exact; sampled runs not bit-reproducible)."""
 
     def __post_init__(self) -> None:
         self._check_speculation()
@@ -123,9 +133,17 @@ class EngineConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r}, expected an integer >= 1")
-        if isinstance(self.speculative_row_cost, bool) or not isinstance(self.speculative_row_cost, (int, float)) \
-                or self.speculative_row_cost < 0:
-            raise ValueError(f"speculative_row_cost={self.speculative_row_cost!r}, expected a number >= 0")
+        for name, least in (("suffix_max_depth", 2), ("suffix_max_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r}, expected an integer >= {least}")
+        if isinstance(self.suffix_min_share, bool) or not isinstance(self.suffix_min_share, (int, float)) \
+                or not 0 <= self.suffix_min_share <= 1:
+            raise ValueError(f"suffix_min_share={self.suffix_min_share!r}, expected a number in [0, 1]")
+        if self.speculative_row_cost != "fitted" and (
+                isinstance(self.speculative_row_cost, bool) or not isinstance(self.speculative_row_cost, (int, float))
+                or self.speculative_row_cost < 0):
+            raise ValueError(f"speculative_row_cost={self.speculative_row_cost!r}, expected a number >= 0 or 'fitted'")
         sizes = (self.ngram_min, self.ngram_max)
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or not 1 <= sizes[0] <= sizes[1]:
             raise ValueError(f"ngram_min={self.ngram_min!r}, ngram_max={self.ngram_max!r}: expected integers with "

@@ -27,8 +27,11 @@ Adaptive per sequence, from counts only (so a seeded run speculates the same way
 that a proposal is kept is estimated per sequence and per kind of proposal (an n-gram match of n tokens
 from generated text or from the sequence's own, a draft's: `acceptance_estimate`), and a sequence verifies
 only the proposals that pay for their token row (`worth`: on CPU a row costs about 1/64 of a decode step's
-fixed part, `EngineConfig.speculative_row_cost`); where none pays it still verifies one proposal after 4,
-then 8, 16 ... (at most 64) of its tokens, to notice a change.
+fixed part, `EngineConfig.speculative_row_cost`; with "fitted", rollout/speculative/cost_model.py fits
+the fixed part, a decode row and a verification row to this engine's measured decode steps, so a batch
+above the break-even decodes plainly); where none pays it still verifies one proposal after 4, then 8,
+16 ... (at most 64) of its tokens, to notice a change. A fitted model makes the choice depend on timing:
+the output stays exact, but sampled runs are then not reproducible bit for bit.
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ from rollout.engine_config import EngineConfig
 from rollout.speculative.proposers import NgramProposer, Proposer
 from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
+from rollout.speculative.cost_model import VERIFY_ROWS, StepCostModel
 from rollout.speculative.spec_accept import accept_many
+from rollout.speculative.suffix_tree import SuffixProposer
 
 Sample = tuple[Sequence, int, float, float]
 """A token a step emits: (sequence, token, behaviour logprob, entropy of its sampling distribution)."""
@@ -55,9 +60,6 @@ PROBE_AFTER = 4
 """Tokens before the first probe of such a sequence (then 8, 16 ... MAX_BACKOFF between probes)."""
 PRIOR_WEIGHT = 4.0
 """Pseudo-observations of the engine-wide acceptance in each sequence's estimate."""
-VERIFY_ROWS = 2.0
-"""What verifying a sequence costs besides its rows, in rows: planning, acceptance, position pages (~0.1 ms
-of Python on CPU, about two rows of the tiny model)."""
 PROBES_PER_STEP = 2
 """Most probes in one step (sequences in lockstep would otherwise all probe at once)."""
 KNOWN_KIND = 8
@@ -121,12 +123,16 @@ class Speculator:
     """Plans a step's verifications and settles them (module docstring)."""
 
     def __init__(self, cache: CacheManager, num_speculative_tokens: int, ngram_min: int, ngram_max: int,
-                 max_num_batched_tokens: int, max_model_len: int, row_cost: float = 0.016,
+                 max_num_batched_tokens: int, max_model_len: int, row_cost: float | str = 0.016,
                  proposer: Proposer | None = None) -> None:
         self.cache, self.pool = cache, cache.pool
         self.max_k, self.max_batched, self.max_model_len = num_speculative_tokens, max_num_batched_tokens, max_model_len
-        self.row_cost = row_cost
-        """A token row's cost as a share of a step's fixed part (EngineConfig.speculative_row_cost)."""
+        self.fitted = row_cost == "fitted"
+        """Whether the step cost is fitted to this engine's measured steps (`observe_step`)."""
+        self.row_cost = 0.016 if self.fitted else float(row_cost)
+        """A token row's cost as a share of a step's fixed part (EngineConfig.speculative_row_cost), the prior
+        of the fitted model."""
+        self.cost = StepCostModel(self.row_cost)
         self.proposer: Proposer = proposer if proposer is not None else NgramProposer(ngram_min, ngram_max)
         self._pace: weakref.WeakKeyDictionary[Sequence, _Pace] = weakref.WeakKeyDictionary()
         self._kinds: dict[str, tuple[float, float]] = {}  # kind -> engine-wide (kept, rejected), decayed
@@ -142,9 +148,11 @@ class Speculator:
         """The engine's speculator for `config` (None with speculative=off); `draft` as `draft_proposer`."""
         if config.speculative == "off":
             return None
+        proposer = (SuffixProposer(config.suffix_max_depth, config.suffix_max_tokens, config.suffix_min_share)
+                    if config.speculative == "suffix" else draft_proposer(config, target, draft, seed))
         return cls(cache, config.num_speculative_tokens, config.ngram_min, config.ngram_max,
                    config.max_num_batched_tokens, config.max_model_len, config.speculative_row_cost,
-                   proposer=draft_proposer(config, target, draft, seed))
+                   proposer=proposer)
 
     def acceptance_estimate(self, seq: Sequence, kind: str) -> float:
         """The chance that `seq`'s next proposal of `kind` is kept: its own kept / (kept + rejections),
@@ -169,16 +177,15 @@ class Speculator:
         1 + 1 / (r num_seqs) rows, r = `row_cost` (a row's cost as a share of the fixed part); a
         verification also costs VERIFY_ROWS rows of bookkeeping. The k with the largest expected saving
         sum_j a^j (1 + 1 / (r n)) - k - VERIFY_ROWS, if that saving is positive."""
-        if self.row_cost == 0:
+        if self.row_cost == 0 and not self.fitted:
             return self.max_k
-        saved_per_kept = 1.0 + 1.0 / (self.row_cost * max(num_seqs, 1))
-        best_k, best, total, chance = 0, 0.0, -VERIFY_ROWS, 1.0
-        for k in range(1, self.max_k + 1):
-            chance *= acceptance
-            total += chance * saved_per_kept - 1.0
-            if total > best:
-                best_k, best = k, total
-        return best_k
+        return self.cost.worth(acceptance, num_seqs, self.max_k)
+
+    def observe_step(self, num_decoding: int, plan: Verification | None, seconds: float) -> None:
+        """A decode step's measured seconds (`num_decoding` sequences, each one row, plus the plan's
+        verification rows) for the fitted cost model; nothing unless speculative_row_cost=fitted."""
+        if self.fitted:
+            self.cost.observe(num_decoding, sum(len(p) for p in plan.proposals) if plan is not None else 0, seconds)
 
     def stats(self) -> dict[str, float]:
         """Tokens proposed and kept, and verifications, since the engine was built (`Engine.stats`)."""

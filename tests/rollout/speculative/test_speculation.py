@@ -120,12 +120,12 @@ def plain(tiny_model):
     return batch, samples, states
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong", "random"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "right", "wrong", "random"])
 def test_greedy_speculation_emits_plain_decodings_tokens_and_logprobs(tiny_model, plain, proposer):
     batch, want, plain_states = plain
-    engine = engine_for(tiny_model, "ngram", num_speculative_tokens=4)
+    engine = engine_for(tiny_model, "suffix" if proposer == "suffix" else "ngram", num_speculative_tokens=4)
     expected = {tuple(p): s.tokens for p, s in zip(batch, want)}
-    if proposer != "ngram":
+    if proposer not in ("ngram", "suffix"):
         engine.speculator.proposer = {"right": Oracle(expected), "wrong": Oracle(expected, wrong=True),
                                       "random": RandomProposer(3)}[proposer]
     checked: dict = {}
@@ -191,6 +191,28 @@ def test_accepted_proposals_cross_hash_blocks_and_the_cache_checkpoints_from_pos
     assert [s.tokens for s in again] == [s.tokens[10:] for s in want]
     assert engine.cache.prefix.hit_tokens > 0 and kda_checked > 0
     assert engine.speculator.acceptance_rate == 1.0
+
+
+def test_siblings_and_a_later_epoch_propose_from_the_suffix_tree_and_the_output_stays_plain(tiny_model, plain):
+    """Each prompt twice in one batch (a group's siblings) and then again (the next epoch): every token and
+    logprob is plain decoding's, and the next epoch's proposals, from the earlier responses in the prompt's
+    tree, are kept (the siblings decode in lockstep: neither has text ahead of the other to propose)."""
+    batch, want, _ = plain
+    engine = engine_for(tiny_model, "suffix", num_speculative_tokens=4)
+    twice = [p for p in batch for _ in range(2)]
+    got = generate(engine, twice)
+    assert [s.tokens for s in got] == [s.tokens for s in want for _ in range(2)]
+    for g, w in zip(got, [w for w in want for _ in range(2)]):
+        assert g.logprobs == pytest.approx(w.logprobs, **LOGPROB_TOL)
+    spec = engine.speculator
+    proposed, accepted = spec.num_proposed, spec.num_accepted
+    engine.sleep()
+    engine.wake()
+    again = generate(engine, batch)  # the trees outlive the engine's sleep
+    assert [s.tokens for s in again] == [s.tokens for s in want]
+    later = (spec.num_accepted - accepted) / max(1, spec.num_proposed - proposed)
+    assert later > 0.8, (accepted, proposed, later)  # the earlier epoch's text is greedy's own
+    assert engine.pool.num_used == 0
 
 
 def test_sampled_speculation_is_seeded_and_keeps_the_budget(tiny_model):
