@@ -64,7 +64,7 @@ def test_gae_with_zero_values_and_lambda_one_is_the_whitened_return():
     mask = batch.mask
     raw = batch.rewards[batch.seq_of_row][mask].double()
     expected = (raw - raw.mean()) / torch.sqrt(raw.var(unbiased=True) + 1e-8)
-    torch.testing.assert_close(batch.advantages[mask].double(), expected, rtol=1e-5, atol=1e-6)  # fp32 whitening
+    torch.testing.assert_close(batch.advantages[mask].double(), expected, rtol=1e-5, atol=1e-5)  # fp32 whitening of O(1) values: ~100 roundings of 6e-8 each, 1e-5 of the scale
     assert torch.equal(batch.returns[mask], batch.rewards[batch.seq_of_row][mask])
 
 
