@@ -1,38 +1,42 @@
-"""Speculative decoding in rollouts: n-gram proposals verified in one forward vs plain decoding, on the
-agentic tool task's rollouts (tool_arith: "37*8=" -> "[py:37*8]" -> the sandbox's "=296;" -> "296") and on
-key_lookup (call the key, read the value, answer it), side by side in one run.
+"""Speculative decoding where it pays: suffix-tree proposals (engine.speculative=suffix, the step cost
+fitted to this engine's measured steps) vs plain decoding, side by side in one run, on two workloads.
 
     OMP_NUM_THREADS=1 python -m benchmarks.speculative [--quick]
 
-For each task the tiny model (configs/model/tiny.yaml) first imitates the task's demonstrations
-(`--warmup-steps` AdamW steps on whole demonstrated episodes: a stand-in for the policy of an RL run some
-way in, which answers in the task's format as these do; `--policy DIR` takes an RL run's checkpoint for the
-agentic workload instead), then one rollout iteration (`--groups` x
-`--group-size` trajectories, the RL driver with its environments; tool calls in the sandbox, inline so that
-all engines run the same steps and engine time holds no waiting) runs on fresh engines with the same
-weights and the presets' engine settings (pool_mb 16, prefix cache with hash blocks of 4): plain decoding,
-engine.speculative=ngram (adaptive: proposals verified only where they pay), and ngram with every
-proposal verified (speculative_row_cost=0), interleaved `--repeats` times (best of each). Sampled at
-temperature 1 (as RL samples): decode tokens per second of engine time (`engine_step_seconds`, the tools'
-time left out); and greedy: the trajectories must be the same token for token, with the same behaviour
-logprobs. Then the mechanism's ceiling on this host: 1, 16 and 64 sequences whose proposals are always
-right. The distribution test draws `--draws` two-token continuations through the acceptance rule on a
-5-token bigram target with random proposals, against the target's probabilities (chi-square at the 99.99%
-quantile). Final line (ratios first): spec_vs_plain_tokens_per_s (agentic) same_greedy_tokens
-logprob_max_abs_err acceptance_rate (agentic) distribution_test_pass key_lookup_spec_vs_plain_tokens_per_s
-key_lookup_acceptance_rate always_vs_plain_tokens_per_s always_acceptance_rate
-right_proposals_{1,16,64}seq_vs_plain plain_tok_s spec_tok_s verifications
+Workloads, each with the tiny model (configs/model/tiny.yaml) after `--warmup-steps` AdamW steps on the
+task's whole demonstrations (a stand-in for an RL policy some way in, which answers in the task's format;
+the warmed weights are kept in `--cache-dir` and reused by the next run), then rollouts of the RL driver
+with its environments (inline, so that every engine runs the same steps):
+- agentic (tool_arith: "37*8=" -> "[py:37*8]" -> "=296;" -> "296"): short answers, many sequences. At
+  each concurrency of `--concurrencies` (that many trajectories: groups of up to 16), tokens per second
+  of engine time, plain vs suffix; `min_spec_vs_plain` is the smallest ratio (target >= 0.98: past the
+  break-even the speculator asks nobody and decodes plainly).
+- long tail (restate: read a file with a tool, restate it with its first identifier renamed; files of
+  10-400 characters, log-uniform): `--groups` x `--group-size` trajectories. Plain, suffix, n-gram (both
+  fitted) and suffix with a divided rollout (rollout.stagger_lead=`--stagger-lead`); each step timed with
+  its running sequences: `tail_spec_vs_plain` (tokens/s over the steps with <= 8 running, target >= 1.5),
+  `rollout_phase_time_vs_plain` (the whole rollout's wall time, target <= 0.8), `stagger_phase_vs_suffix`.
+Runs interleaved `--repeats` times, the best of each kept. Greedy (temperature 0) on both workloads: the
+suffix engine's trajectories must be plain decoding's token for token with the same logprobs. The fitted
+cost model of the agentic run at the largest concurrency gives the break-even batch size at acceptances
+0.5 / 0.8 / 0.95. The mechanism's ceiling: 1, 16 and 64 sequences whose proposals are always right. The
+distribution test draws `--draws` two-token continuations through the acceptance rule against a 5-token
+bigram target (chi-square at the 99.99% quantile).
+Final line (ratios first): min_spec_vs_plain tail_spec_vs_plain rollout_phase_time_vs_plain
+stagger_phase_vs_suffix suffix_acceptance ngram_acceptance same_greedy_tokens logprob_max_abs_err
+distribution_test_pass break_even_{50,80,95} right_proposals_{1,16,64}seq_vs_plain spec_vs_plain_{c}
+tail_plain_tok_s tail_spec_tok_s
 """
 from __future__ import annotations
 
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks import parse_args
-from models.checkpoint import load_checkpoint
 from models.config import load_model_config
 from models.model import HybridLM
 from models.tokenizer import ByteTokenizer
@@ -43,20 +47,23 @@ from rl.envs.tools.python_exec import close_sandboxes
 from rl.run.warmup import demo_tokens
 from rollout.engine import Engine, EngineConfig
 from rollout.kv import PrefixCacheConfig
+from rollout.request import SeqStatus
 from rollout.speculative import Proposer, accept
 from rollout.sampling import SamplingParams
 
-TASKS = {"agentic": ("tool_arith", 12), "key_lookup": ("key_lookup", 2)}
+WORKLOADS = {"agentic": ("tool_arith", 12), "long_tail": ("restate", 410)}
 """Workload -> (task, max_new_tokens per turn: the task's answer length)."""
+TAIL = 8
+"""A step with at most this many running sequences is in the rollout's tail."""
 
 
-def warmed_model(task: str, steps: int, seed: int) -> HybridLM:
-    """The tiny model after `steps` AdamW steps (lr 2e-3) on 16 whole demonstrated episodes each: the mean
+def warmed_model(task: str, steps: int, seed: int, lr: float = 2e-3) -> HybridLM:
+    """The tiny model after `steps` AdamW steps (`lr`) on 16 whole demonstrated episodes each: the mean
     NLL of the answer tokens."""
     torch.manual_seed(seed)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=seed)
     env, tokenizer = make_task(task), ByteTokenizer()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
     model.train()
     for step in range(steps):
         episodes = [demo_tokens(env, tokenizer, mix_seed(seed, step * 16 + j), value=True) for j in range(16)]
@@ -75,52 +82,121 @@ def warmed_model(task: str, steps: int, seed: int) -> HybridLM:
     return model.eval()
 
 
-def rollout(model: HybridLM, task: str, max_new: int, speculative: str, args, greedy: bool, row_cost: float = 0.016):
-    """One iteration on a fresh engine with the presets' engine settings (pool_mb 16, prefix cache with hash
-    blocks of 4, max_model_len 64): (engine figures, trajectories as (id, tokens, logprobs), speculator)."""
-    engine = Engine(model, EngineConfig(pool_mb=16, max_model_len=64, max_num_batched_tokens=1024,
-                                        prefix_cache=PrefixCacheConfig(hash_block=4), speculative=speculative,
-                                        num_speculative_tokens=args.num_speculative_tokens,
-                                        speculative_row_cost=row_cost))
-    config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=max_new)
-    driver = RolloutDriver(engine, ByteTokenizer(), task, {}, config, group_size=args.group_size, seed=3,
-                           env=EnvConfig(workers=0, timeout_s=10.0))  # inline: the same steps in both
+def cached_model(task: str, args) -> HybridLM:
+    """`warmed_model(task, ...)`, from `args.cache_dir` when a run with the same settings saved it."""
+    steps, lr = (args.tail_warmup_steps, args.tail_warmup_lr) if task == "restate" else (args.warmup_steps, 2e-3)
+    path = Path(args.cache_dir or ".") / f"{task}_steps{steps}_lr{lr:g}_seed0.pt"
+    if args.cache_dir and path.exists():
+        model = HybridLM(load_model_config("configs/model/tiny.yaml"))
+        model.load_state_dict(torch.load(path, weights_only=True))
+        return model.eval()
+    t0 = time.perf_counter()
+    model = warmed_model(task, steps, seed=0, lr=lr)
+    print(f"{task}: warm-up of {steps} steps in {time.perf_counter() - t0:.0f} s"
+          + (f" (kept in {path})" if args.cache_dir else ""), flush=True)
+    if args.cache_dir:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), path)
+    return model
+
+
+def rollout(model: HybridLM, workload: str, groups: int, group_size: int, speculative: str, *, greedy: bool = False,
+            stagger: int = 0, row_cost: float | str = "fitted", pool_mb: int = 64) -> dict:
+    """One rollout iteration on a fresh engine (prefix cache with hash blocks of 4): its figures, each step's
+    (running sequences, tokens emitted, seconds), the trajectories as (id, tokens, logprobs), the speculator."""
+    task, max_new = WORKLOADS[workload]
+    engine = Engine(model, EngineConfig(pool_mb=pool_mb, max_model_len=1024 if workload == "long_tail" else 64,
+                                        max_num_batched_tokens=2048, prefix_cache=PrefixCacheConfig(hash_block=4),
+                                        speculative=speculative, speculative_row_cost=row_cost))
+    config = DriverConfig(groups_per_iteration=groups, max_new_tokens=max_new, stagger_lead=stagger)
+    driver = RolloutDriver(engine, ByteTokenizer(), task, {}, config, group_size=group_size, seed=3,
+                           env=EnvConfig(workers=0, timeout_s=10.0))  # inline: the same steps in every engine
     if greedy:
         driver.sampling["temperature"] = 0.0
     engine.load_weights(model.state_dict(), version=1)
+    steps: list[tuple[int, int, float]] = []
+    inner = engine.step
+
+    def timed_step():
+        running = sum(1 for seq in engine.sequences() if seq.status is SeqStatus.RUNNING)
+        generated, t0 = engine.num_generated, time.perf_counter()
+        out = inner()
+        steps.append((running, engine.num_generated - generated, time.perf_counter() - t0))
+        return out
+
+    engine.step = timed_step
+    t0 = time.perf_counter()
     result = driver.rollout()
+    wall = time.perf_counter() - t0
     if driver.runner is not None:
         driver.runner.close()
     m = result.metrics
     trajs = sorted((t.traj_id, tuple(t.tokens), tuple(t.logprobs)) for g in result.groups for t in g)
-    return {"tokens": m["rollout_tokens"], "engine_s": m["engine_step_seconds"], "steps": engine.num_steps}, \
-        trajs, engine.speculator
+    reward = sum(t.reward for g in result.groups for t in g) / max(1, len(trajs))
+    tail = [(n, s) for running, n, s in steps if 0 < running <= TAIL]
+    return {"tokens": m["rollout_tokens"], "engine_s": m["engine_step_seconds"], "wall_s": wall, "reward": reward,
+            "tail_tokens": sum(n for n, _ in tail), "tail_s": sum(s for _, s in tail), "steps": len(steps),
+            "trajs": trajs, "spec": engine.speculator}
 
 
-def compare(model: HybridLM, task: str, max_new: int, args) -> dict[str, float]:
-    """Plain vs n-gram speculation on one task: sampled tokens/s, greedy equality and logprob error."""
-    fig = {}
-    runs: dict[str, list] = {"off": [], "ngram": [], "always": []}
-    for _ in range(args.repeats):  # interleaved, so that a disturbance of the host hits all three
-        runs["off"].append(rollout(model, task, max_new, "off", args, greedy=False))
-        runs["ngram"].append(rollout(model, task, max_new, "ngram", args, greedy=False))
-        runs["always"].append(rollout(model, task, max_new, "ngram", args, greedy=False, row_cost=0.0))
-    for name, done in runs.items():
-        best = min(done, key=lambda r: r[0]["engine_s"] / r[0]["tokens"])  # the least disturbed run
-        fig[f"{name}_tok_s"] = best[0]["tokens"] / best[0]["engine_s"]
-        fig[f"{name}_steps"] = best[0]["steps"]
-        if name != "off":
-            fig[f"{name}_acceptance_rate"] = best[2].acceptance_rate
-            fig[f"{name}_verifications"] = best[2].num_verifications
-    fig["acceptance_rate"], fig["verifications"] = fig["ngram_acceptance_rate"], fig["ngram_verifications"]
-    _, plain, _ = rollout(model, task, max_new, "off", args, greedy=True)
-    _, spec, _ = rollout(model, task, max_new, "ngram", args, greedy=True)
-    fig["same_greedy_tokens"] = int([t[:2] for t in plain] == [t[:2] for t in spec])
-    fig["logprob_max_abs_err"] = max((abs(a - b) for p, s in zip(plain, spec) for a, b in zip(p[2], s[2])),
-                                     default=0.0)
-    fig["ratio"] = fig["ngram_tok_s"] / fig["off_tok_s"]
-    fig["always_ratio"] = fig["always_tok_s"] / fig["off_tok_s"]
-    return fig
+def best(runs: list[dict], key: str = "engine_s") -> dict:
+    """The least disturbed of interleaved runs: the smallest `key` per token."""
+    return min(runs, key=lambda r: r[key] / max(1, r["tokens"]))
+
+
+def greedy_check(model: HybridLM, workload: str, groups: int, group_size: int) -> tuple[int, float]:
+    """(the suffix engine's greedy trajectories are plain decoding's, token for token; the largest
+    logprob difference)."""
+    plain = rollout(model, workload, groups, group_size, "off", greedy=True)["trajs"]
+    spec = rollout(model, workload, groups, group_size, "suffix", greedy=True)["trajs"]
+    same = int([t[:2] for t in plain] == [t[:2] for t in spec])
+    err = max((abs(a - b) for p, q in zip(plain, spec) for a, b in zip(p[2], q[2])), default=0.0)
+    return same, err
+
+
+def agentic_sweep(model: HybridLM, args) -> tuple[dict[int, float], object]:
+    """Tokens/s of engine time, suffix over plain, at each concurrency (that many trajectories, groups of
+    up to 16); and the speculator of the largest concurrency's best run (its fitted cost model)."""
+    ratios, last = {}, None
+    for c in args.concurrencies:
+        size = min(16, c)
+        runs = {"off": [], "suffix": []}
+        for _ in range(args.repeats):
+            for name in runs:
+                runs[name].append(rollout(model, "agentic", max(1, c // size), size, name, pool_mb=16))
+        plain, spec = best(runs["off"]), best(runs["suffix"])
+        ratios[c] = (spec["tokens"] / spec["engine_s"]) / (plain["tokens"] / plain["engine_s"])
+        last = spec["spec"]
+        print(f"agentic, {c} trajectories: plain {plain['tokens'] / plain['engine_s']:.0f} tok/s, suffix "
+              f"{spec['tokens'] / spec['engine_s']:.0f} tok/s ({spec['spec'].num_verifications} verifications, "
+              f"{spec['spec'].num_gated_steps} of {spec['steps']} steps past the break-even, acceptance "
+              f"{spec['spec'].acceptance_rate:.2f}): {ratios[c]:.3f}x", flush=True)
+    return ratios, last
+
+
+def long_tail(model: HybridLM, args) -> dict[str, float]:
+    """Plain, suffix, n-gram and staggered suffix on the long-tail workload (module docstring)."""
+    kinds = {"off": ("off", 0), "suffix": ("suffix", 0), "ngram": ("ngram", 0), "stagger": ("suffix", args.stagger_lead)}
+    runs: dict[str, list[dict]] = {name: [] for name in kinds}
+    for _ in range(args.repeats):
+        for name, (speculative, stagger) in kinds.items():
+            runs[name].append(rollout(model, "long_tail", args.groups, args.group_size, speculative, stagger=stagger))
+    top = {name: best(done, "wall_s") for name, done in runs.items()}
+    for name, r in top.items():
+        spec = r["spec"]
+        print(f"long tail, {name}: {r['wall_s']:.2f} s for {r['tokens']} tokens ({r['steps']} steps; tail "
+              f"{r['tail_tokens']} tokens at {r['tail_tokens'] / max(r['tail_s'], 1e-9):.0f} tok/s), reward "
+              f"{r['reward']:.3f}" + ("" if spec is None else f", acceptance {spec.acceptance_rate:.2f} "
+                                      f"({spec.num_verifications} verifications)"), flush=True)
+    tail_rate = {name: r["tail_tokens"] / max(r["tail_s"], 1e-9) for name, r in top.items()}
+    return {"tail_spec_vs_plain": tail_rate["suffix"] / tail_rate["off"],
+            "rollout_phase_time_vs_plain": top["suffix"]["wall_s"] / top["off"]["wall_s"],
+            "stagger_phase_vs_suffix": top["stagger"]["wall_s"] / top["suffix"]["wall_s"],
+            "suffix_acceptance": top["suffix"]["spec"].acceptance_rate,
+            "ngram_acceptance": top["ngram"]["spec"].acceptance_rate,
+            "ngram_phase_time_vs_plain": top["ngram"]["wall_s"] / top["off"]["wall_s"],
+            "tail_plain_tok_s": tail_rate["off"], "tail_spec_tok_s": tail_rate["suffix"],
+            "plain_reward": top["off"]["reward"]}
 
 
 def right_proposals(batch: int, repeats: int) -> float:
@@ -178,44 +254,48 @@ def distribution_test(draws: int) -> tuple[bool, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=200)
-    p.add_argument("--policy", default=None, help="the agentic workload's policy: a checkpoint directory of an "
-                   "RL run (run_dir/checkpoints/iter_N) instead of the warm-up")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    p.add_argument("--groups", type=int, default=8, help="long-tail groups")
+    p.add_argument("--group-size", type=int, default=8, help="long-tail trajectories per group")
+    p.add_argument("--stagger-lead", type=int, default=2, help="members of a group that start first (divided rollout)")
+    p.add_argument("--warmup-steps", type=int, default=200, help="the agentic policy's warm-up (lr 2e-3)")
+    p.add_argument("--tail-warmup-steps", type=int, default=300, help="the long-tail policy's warm-up")
+    p.add_argument("--tail-warmup-lr", type=float, default=5e-3)
+    p.add_argument("--cache-dir", default="runs/benchmark_cache", help="where the warmed weights are kept (\"\": nowhere)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--draws", type=int, default=6000)
-    args = parse_args(p, argv, {"groups": 2, "group_size": 4, "warmup_steps": 4, "repeats": 1, "draws": 600})
-    figures: dict[str, dict[str, float]] = {}
-    for workload, (task, max_new) in TASKS.items():
-        if workload == "agentic" and args.policy is not None:  # an RL run's policy (its checkpoint directory)
-            model = load_checkpoint(args.policy).eval()
-        else:
-            model = warmed_model(task, args.warmup_steps, seed=0)
-        figures[workload] = compare(model, task, max_new, args)
-        f = figures[workload]
-        print(f"{workload} ({task}): plain {f['off_tok_s']:.0f} tok/s ({f['off_steps']} steps), ngram "
-              f"{f['ngram_tok_s']:.0f} tok/s ({f['ngram_steps']} steps, {f['verifications']} verifications, "
-              f"acceptance {f['acceptance_rate']:.2f}): {f['ratio']:.2f}x; every proposal verified "
-              f"(speculative_row_cost=0) {f['always_tok_s']:.0f} tok/s ({f['always_steps']} steps, acceptance "
-              f"{f['always_acceptance_rate']:.2f}): {f['always_ratio']:.2f}x; greedy same "
-              f"{f['same_greedy_tokens']}, logprob err {f['logprob_max_abs_err']:.1e}", flush=True)
+    args = parse_args(p, argv, {"concurrencies": [1, 16], "groups": 2, "group_size": 4, "warmup_steps": 4,
+                                "tail_warmup_steps": 2, "cache_dir": "", "repeats": 1, "draws": 600})
+    agentic = cached_model("tool_arith", args)
+    ratios, spec = agentic_sweep(agentic, args)
+    cost = spec.cost
+    cost.fit()
+    even = {a: cost.break_even(a, spec.max_k) for a in (0.5, 0.8, 0.95)}
+    print(f"fitted step cost (agentic, {args.concurrencies[-1]} trajectories): fixed {cost.fixed * 1e3:.2f} ms, decode "
+          f"row {cost.decode_row * 1e6:.0f} us, verification row {cost.verify_row * 1e6:.0f} us; break-even batch "
+          + ", ".join(f"{n} sequences at acceptance {a}" for a, n in even.items()), flush=True)
+    tail_model = cached_model("restate", args)
+    tail = long_tail(tail_model, args)
+    same_a, err_a = greedy_check(agentic, "agentic", 2, 8)
+    same_t, err_t = greedy_check(tail_model, "long_tail", 2, 4)
+    print(f"greedy: same tokens {same_a} (agentic), {same_t} (long tail); logprob err {max(err_a, err_t):.1e}")
     ceiling = {b: right_proposals(b, args.repeats) for b in (1, 16, 64)}
     print("proposals always right, k = 4: " + ", ".join(f"{b} sequences {r:.2f}x" for b, r in ceiling.items()))
     close_sandboxes()
     passed, chi2 = distribution_test(args.draws)
     print(f"distribution test: chi-square {chi2:.1f} over 25 outcomes ({args.draws} draws; bound 55.9)")
-    a, k = figures["agentic"], figures["key_lookup"]
-    out = {"spec_vs_plain_tokens_per_s": a["ratio"],
-           "same_greedy_tokens": int(a["same_greedy_tokens"] and k["same_greedy_tokens"]),
-           "logprob_max_abs_err": max(a["logprob_max_abs_err"], k["logprob_max_abs_err"]),
-           "acceptance_rate": a["acceptance_rate"], "distribution_test_pass": int(passed),
-           "key_lookup_spec_vs_plain_tokens_per_s": k["ratio"], "key_lookup_acceptance_rate": k["acceptance_rate"],
-           "always_vs_plain_tokens_per_s": a["always_ratio"], "always_acceptance_rate": a["always_acceptance_rate"],
-           "right_proposals_1seq_vs_plain": ceiling[1], "right_proposals_16seq_vs_plain": ceiling[16],
-           "right_proposals_64seq_vs_plain": ceiling[64],
-           "plain_tok_s": a["off_tok_s"], "spec_tok_s": a["ngram_tok_s"], "verifications": a["verifications"]}
+    out = {"min_spec_vs_plain": min(ratios.values()), "tail_spec_vs_plain": tail["tail_spec_vs_plain"],
+           "rollout_phase_time_vs_plain": tail["rollout_phase_time_vs_plain"],
+           "stagger_phase_vs_suffix": tail["stagger_phase_vs_suffix"],
+           "ngram_phase_time_vs_plain": tail["ngram_phase_time_vs_plain"],
+           "suffix_acceptance": tail["suffix_acceptance"], "ngram_acceptance": tail["ngram_acceptance"],
+           "same_greedy_tokens": int(same_a and same_t), "logprob_max_abs_err": max(err_a, err_t),
+           "distribution_test_pass": int(passed),
+           **{f"break_even_{round(a * 100)}": n for a, n in even.items()},
+           **{f"right_proposals_{b}seq_vs_plain": r for b, r in ceiling.items()},
+           **{f"spec_vs_plain_{c}": r for c, r in ratios.items()},
+           "tail_plain_tok_s": tail["tail_plain_tok_s"], "tail_spec_tok_s": tail["tail_spec_tok_s"],
+           "long_tail_plain_reward": tail["plain_reward"]}
     print(" ".join(f"{key}={value:.4g}" for key, value in out.items()))
     return out
 

@@ -7,7 +7,8 @@ def cache_metrics(before: dict[str, float], after: dict[str, float], computed: i
     """The iteration's KV-cache figures from two `Engine.stats()` readings: prefix hits (tokens,
     stale ones, and `prefix_hit_frac` = hit / (hit + computed) tokens of KV), host-tier pages written
     back and prefetched, the host pool's bytes at the end; with speculative decoding the tokens
-    proposed and kept, the verifications and `spec_acceptance` = kept / proposed."""
+    proposed and kept, the verifications, the steps past the break-even (`spec_gated_steps`: none
+    asked for proposals) and `spec_acceptance` = kept / proposed."""
     out: dict[str, float] = {}
     for key in ("prefix_hit_tokens", "prefix_stale_hit_tokens", "host_pages_written_back", "host_pages_prefetched"):
         if key in after:
@@ -18,7 +19,7 @@ def cache_metrics(before: dict[str, float], after: dict[str, float], computed: i
     if "host_pool_bytes" in after:
         out["host_pool_bytes"] = float(after["host_pool_bytes"])
     if "spec_proposed" in after:  # speculative decoding: tokens proposed and kept, verifications
-        for key in ("spec_proposed", "spec_accepted", "spec_verifications"):
-            out[key] = float(after[key] - before.get(key, 0))
+        for key in ("spec_proposed", "spec_accepted", "spec_verifications", "spec_gated_steps"):
+            out[key] = float(after.get(key, 0) - before.get(key, 0))
         out["spec_acceptance"] = out["spec_accepted"] / max(1.0, out["spec_proposed"])
     return out

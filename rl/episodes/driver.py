@@ -10,6 +10,8 @@ unfinished trajectories stop where they are and carry over to the next iteration
 tokens they have. They continue either by recompute (a new request whose prompt includes the
 partial answer, computed under the new weights) or, with `partial_resume="kv"`, by resuming the
 paused engine request on its kept (stale) KV. Groups are trained once all their members are done.
+Divided rollout (`stagger_lead` > 0): a group's first request carries only its first `stagger_lead`
+members; the others' request follows when it ends, so their suffix proposals find the leaders' text.
 Data-parallel rollout: with several ranks, each driver starts only its share of the global groups
 (g % world == rank); a group stays on its rank until trained. The rollout makes no collective call:
 a count over the ranks it needs (max_groups_in_flight's unfinished groups) is the caller's, passed in.
@@ -74,7 +76,8 @@ class TurnEnd:
                                      f"a prefix of the trajectory's tokens: what the trainer scores would differ "
                                      f"from what the engine saw")
             self.stats["tokens"] += t.append_sample(sample)
-        return nxt + self.driver._end_turns(self.trajs, self.stats)
+        return self.driver._release_followers(self.trajs[0].group_id, self.stats) + \
+            self.driver._end_turns(self.trajs, self.stats)
 
 
 @dataclass
@@ -168,6 +171,7 @@ class RolloutDriver:
         self.group_sizes: dict[int, int] = {}  # group -> members not dropped
         self.auto_limit: int | None = None  # the auto-throttle's limit, carried across iterations
         self.errors: list[str] = []  # one line per drop since the loop last read them: who, the error, why
+        self.held: dict[int, list[Trajectory]] = {}  # group -> its later members (stagger_lead), not yet sent
 
     # ---- requests and turns ----------------------------------------------------------------------------
     def _request(self, trajs: list[Trajectory], stats: dict) -> Submission:
@@ -402,7 +406,16 @@ class RolloutDriver:
         for t in trajs:
             t.tokens, t.policy = list(prompt), [False] * len(prompt)
             t.logprobs, t.versions, t.turn_start = [0.0] * len(prompt), [-1] * len(prompt), len(prompt)
+        lead = self.config.stagger_lead
+        if 0 < lead < len(trajs):  # divided rollout: the others follow once the leaders' first turn ends
+            self.held[trajs[0].group_id] = trajs[lead:]
+            return self._admissible(trajs[:lead], stats) or self._release_followers(trajs[0].group_id, stats)
         return self._admissible(trajs, stats)
+
+    def _release_followers(self, group: int, stats: dict) -> list[Submission]:
+        """The request of group `group`'s held later members (`DriverConfig.stagger_lead`), or []."""
+        followers = self.held.pop(group, None)
+        return self._admissible(followers, stats) if followers else []
 
     def _new_groups(self, groups_in_flight: int | None) -> int:
         """Global groups to start this iteration: groups_per_iteration, capped by max_groups_in_flight
@@ -434,6 +447,9 @@ class RolloutDriver:
             self.carry += trajs
         for sub in backlog:
             self.carry += _continued(sub)
+        for followers in self.held.values():  # later members not yet sent: carried, each its own request
+            self.carry += followers
+        self.held.clear()
 
     def take_finished_groups(self) -> list[list[Trajectory]]:
         """Groups all of whose (not dropped) members are done, in group order; removed from the driver."""

@@ -50,7 +50,14 @@ class DriverConfig:
     prefix entries are dropped and parked partial rollouts recomputed (rollout/kv/host_spill.py, when
     the host pool goes to NVMe between rollouts); None = no limit."""
 
+    stagger_lead: int = 0
+    """Divided rollout: this many members of each group start first, the others when the leaders' first
+    request ends (their first turn), so that the leaders have generated text the later members' suffix
+    proposals can copy (engine.speculative=suffix); 0 = every member starts together."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.stagger_lead, bool) or not isinstance(self.stagger_lead, int) or self.stagger_lead < 0:
+            raise ValueError(f"stagger_lead={self.stagger_lead!r}, expected an integer >= 0 (0: no stagger)")
         if self.max_groups_in_flight is not None and (isinstance(self.max_groups_in_flight, bool)
                                                       or self.max_groups_in_flight < 1):
             raise ValueError(f"max_groups_in_flight={self.max_groups_in_flight!r}, expected an integer >= 1 or null")

@@ -45,6 +45,10 @@ class Proposer:
         the engine then limits k before paying for a proposal (a draft model's forward passes)."""
         return None
 
+    def observe(self, seqs: list[Sequence]) -> None:
+        """A step in which nobody is asked for proposals (its batch is past the break-even): what the
+        proposer learns from these sequences' tokens, it takes now (a suffix tree's texts)."""
+
     def settled(self, seq: Sequence, proposed: int, kept: int) -> None:
         """`seq` kept `kept` of its `proposed` tokens (its tokens are not appended yet)."""
 

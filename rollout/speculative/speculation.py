@@ -30,7 +30,9 @@ only the proposals that pay for their token row (`worth`: on CPU a row costs abo
 fixed part, `EngineConfig.speculative_row_cost`; with "fitted", rollout/speculative/cost_model.py fits
 the fixed part, a decode row and a verification row to this engine's measured decode steps, so a batch
 above the break-even decodes plainly); where none pays it still verifies one proposal after 4, then 8,
-16 ... (at most 64) of its tokens, to notice a change. A fitted model makes the choice depend on timing:
+16 ... (at most 64) of its tokens, to notice a change. A step whose batch is past the break-even even
+for proposals always kept (`worth(1.0, n) == 0`) asks nobody and probes nothing: it is plain decoding's
+step (the proposer only reads the sequences' new tokens: `Proposer.observe`), counted as a gated step. A fitted model makes the choice depend on timing:
 the output stays exact, but sampled runs are then not reproducible bit for bit.
 """
 from __future__ import annotations
@@ -141,6 +143,8 @@ class Speculator:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
+        self.num_gated_steps = 0
+        """Steps past the break-even (`plan`): no proposal asked for, no probe."""
 
     @classmethod
     def build(cls, cache: CacheManager, config: EngineConfig, target: HybridLM, draft: HybridLM | None,
@@ -190,7 +194,7 @@ class Speculator:
     def stats(self) -> dict[str, float]:
         """Tokens proposed and kept, and verifications, since the engine was built (`Engine.stats`)."""
         return {"spec_proposed": self.num_proposed, "spec_accepted": self.num_accepted,
-                "spec_verifications": self.num_verifications}
+                "spec_verifications": self.num_verifications, "spec_gated_steps": self.num_gated_steps}
 
     @property
     def acceptance_rate(self) -> float:
@@ -203,6 +207,10 @@ class Speculator:
         budget = self.max_batched - step.num_tokens
         num_seqs = len(step.seqs)
         self._step_probes = 0
+        if self.worth(1.0, num_seqs) == 0:  # past the break-even: not even proposals always kept would pay
+            self.num_gated_steps += 1
+            self.proposer.observe(step.seqs)
+            return None
         best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
         wanted: list[tuple[int, int, str | None]] = []  # (index into the step, proposals it may verify, kind if known)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):

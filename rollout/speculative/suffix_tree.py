@@ -228,6 +228,12 @@ class SuffixProposer(Proposer):
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return self.propose_batch([seq], [k])[0].tokens
 
+    def observe(self, seqs: list[Sequence]) -> None:
+        """Feed the sequences' new tokens to their trees: siblings decoded past the break-even still
+        propose for the ones that decode later."""
+        for seq in seqs:
+            self._feed(seq)
+
     def clear(self) -> None:
         """The engine sleeps: per-sequence feeding ends (the trees stay for the next iterations)."""
         self._fed.clear()

@@ -114,7 +114,7 @@ DEFAULT_RUN = {
                 "max_concurrency": None, "budget_tokens": None, "budget_seconds": None,
                 "max_drop_fraction": 0.5, "partial_resume": "recompute",
                 "max_staleness": None,  # KV across iterations: off
-                "max_groups_in_flight": None},
+                "max_groups_in_flight": None, "stagger_lead": 0},
     "engine": {"max_model_len": 256, "pool_mb": 16, "group_layers": None, "block_tokens": None,
                "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None,
                "check_every_step": False, "prefix_cache": None, "host_pool_mb": 0,

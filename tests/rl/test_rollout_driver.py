@@ -280,3 +280,55 @@ def test_the_progress_bar_follows_every_step_and_ends_at_the_iterations_figures(
     assert len(bar.updates) == d.engine.num_steps - steps_before + 1  # after each engine step, and at the end
     assert bar.updates[-1][:2] == (metrics["trajectories_finished"], metrics["rollout_tokens"])
     assert [u[0] for u in bar.updates] == sorted(u[0] for u in bar.updates)
+
+
+def test_a_divided_rollout_starts_the_leaders_first_and_the_others_when_their_first_turn_ends():
+    """stagger_lead=1: each group's first request holds one member; the other three's request is sent
+    when it ends, before any of the leaders' later turns. Every trajectory still finishes, with the
+    group's prompt."""
+    e = engine()
+    seen = []  # (n, prompt length, turn boundaries) of every request, in order
+    add = e.add_request
+
+    def recording_add(prompt, params=None, request_id=None, turn_boundaries=()):
+        seen.append((params.n, len(prompt), tuple(turn_boundaries)))
+        return add(prompt, params, request_id, turn_boundaries)
+
+    e.add_request = recording_add
+    d = driver("test_two_turns", {}, engine=e, max_new_tokens=3, stagger_lead=1)
+    e.load_weights(e.model.state_dict(), version=1)
+    metrics = d.run_iteration()
+    groups = d.take_finished_groups()
+    assert metrics["trajectories_finished"] == 12 and len(groups) == 3 and all(len(g) == 4 for g in groups)
+    firsts = [n for n, _, turns in seen if not turns]
+    assert firsts.count(1) == 3 and firsts.count(3) == 3  # the leader, then the three others, per group
+    leaders_first = [i for i, (n, _, turns) in enumerate(seen) if not turns and n == 1]
+    followers = [i for i, (n, _, turns) in enumerate(seen) if not turns and n == 3]
+    assert all(f > lead for lead, f in zip(leaders_first, followers))
+    for g in groups:
+        assert len({tuple(t.tokens[:t.policy.index(True)]) for t in g}) == 1
+    assert not d.held and e.pool.num_used == 0
+
+
+def test_held_members_carry_over_when_the_budget_stops_the_iteration():
+    """A budget that ends the iteration before the leaders' first turn: the held members are carried
+    (none lost), and the next iteration finishes every group."""
+    d = driver("test_two_turns", {}, max_new_tokens=3, stagger_lead=2, budget_tokens=1, max_concurrency=1)
+    d.engine.load_weights(d.engine.model.state_dict(), version=1)
+    d.run_iteration()
+    assert not d.held and len(d.carry) + sum(len(w) for w in d.waiting.values()) == 12
+    d.groups_per_iteration = 0
+    d.config = DriverConfig(**{**d.config.__dict__, "budget_tokens": None})
+    d.budget_tokens = None
+    for version in range(2, 12):
+        d.engine.load_weights(d.engine.model.state_dict(), version=version)
+        d.run_iteration()
+        if not d.carry:
+            break
+    groups = d.take_finished_groups()
+    assert sum(len(g) for g in groups) == 12
+
+
+def test_stagger_lead_is_checked():
+    with pytest.raises(ValueError, match="stagger_lead=-1"):
+        DriverConfig(stagger_lead=-1)

@@ -374,3 +374,34 @@ def test_speculation_switches_itself_off_where_it_does_not_pay(tiny_model, plain
         assert [s.tokens for s in got] == [s.tokens for s in want]
         counts[row_cost] = engine.speculator.num_verifications
     assert counts[0.0] >= 60 and counts[0.016] <= counts[0.0] // 4, counts  # measured: 94 and 13
+
+
+class Silent(Proposer):
+    """Never proposes: every step of a speculative engine runs as plain decoding's."""
+
+    def propose(self, seq, k):
+        return []
+
+
+@pytest.mark.parametrize("how", ["no_proposal", "past_break_even"])
+def test_a_step_where_nobody_proposes_leaves_every_kda_state_exactly_as_plain_decoding(tiny_model, plain, how):
+    """No sequence verifies in the step (the proposer had nothing, or the batch is past the break-even and
+    nobody is asked): the step is plain decoding's, bit for bit: every running sequence's KDA states,
+    conv tails and MLA latents after each step equal the plain run's exactly, and so do the logprobs."""
+    batch, want, plain_states = plain
+    if how == "no_proposal":
+        engine = engine_for(tiny_model, "ngram")
+        engine.speculator.proposer = Silent()
+    else:  # a row costs 1e6 fixed parts: not even proposals always kept pay, at any batch size
+        engine = engine_for(tiny_model, "suffix", speculative_row_cost=1e6)
+    checked: dict = {}
+    got = generate(engine, batch, after_step=snapshots(checked, plain_states))
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    assert checked["checked"] > 0 and checked["worst"] == 0.0, checked  # exactly equal, every entry
+    assert engine.speculator.num_verifications == 0
+    if how == "past_break_even":  # every step gated, and the suffix trees still hold every sequence's text
+        assert engine.speculator.num_gated_steps == engine.num_steps
+        trees = engine.speculator.proposer.trees
+        assert sum(len(t.texts) for t in trees.values()) == len(batch)
+        assert sum(t.num_tokens for t in trees.values()) >= sum(len(s.tokens) for s in want) - len(batch)
