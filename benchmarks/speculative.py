@@ -8,8 +8,9 @@ task's whole demonstrations (a stand-in for an RL policy some way in, which answ
 the warmed weights are kept in `--cache-dir` and reused by the next run), then rollouts of the RL driver
 with its environments (inline, so that every engine runs the same steps):
 - agentic (tool_arith: "37*8=" -> "[py:37*8]" -> "=296;" -> "296"): short answers, many sequences. At
-  each concurrency of `--concurrencies` (that many trajectories: groups of up to 16), tokens per second
-  of engine time, plain vs suffix; `min_spec_vs_plain` is the smallest ratio (target >= 0.98: past the
+  each concurrency c of `--concurrencies` (at most c sequences running: engine.max_num_seqs; max(c,
+  `--min-trajectories`) trajectories in groups of up to 16), tokens per second of engine time, plain vs
+  suffix; `min_spec_vs_plain` is the smallest ratio (target >= 0.98: past the
   break-even the speculator asks nobody and decodes plainly).
 - long tail (restate: read a file with a tool, restate it with its first identifier renamed; files of
   10-400 characters, log-uniform): `--groups` x `--group-size` trajectories. Plain, suffix, n-gram (both
@@ -57,42 +58,53 @@ TAIL = 8
 """A step with at most this many running sequences is in the rollout's tail."""
 
 
-def warmed_model(task: str, steps: int, seed: int, lr: float = 2e-3) -> HybridLM:
-    """The tiny model after `steps` AdamW steps (`lr`) on 16 whole demonstrated episodes each: the mean
-    NLL of the answer tokens."""
+def warmed_model(task: str, stages: list[tuple[int, int, dict]], seed: int, lr: float = 2e-3) -> HybridLM:
+    """The tiny model after AdamW steps (`lr`) on whole demonstrated episodes (the mean NLL of the answer
+    tokens), stage by stage: (steps, episodes per step, the task's params), e.g. short files first."""
     torch.manual_seed(seed)
     model = HybridLM(load_model_config("configs/model/tiny.yaml")).init_weights(seed=seed)
-    env, tokenizer = make_task(task), ByteTokenizer()
+    tokenizer = ByteTokenizer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
     model.train()
-    for step in range(steps):
-        episodes = [demo_tokens(env, tokenizer, mix_seed(seed, step * 16 + j), value=True) for j in range(16)]
-        total = sum(sum(policy[1:]) for _, policy in episodes)
-        width = max(len(tokens) for tokens, _ in episodes) - 1
-        inputs, targets, mask = (torch.zeros(16, width, dtype=dtype) for dtype in (torch.long, torch.long, torch.float32))
-        for row, (tokens, policy) in enumerate(episodes):  # right-padded, one packed forward for all 16
-            n = len(tokens) - 1
-            inputs[row, :n], targets[row, :n] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
-            mask[row, :n] = torch.tensor(policy[1:], dtype=torch.float32)
-        picked = model.token_logprobs(inputs, targets, [len(tokens) - 1 for tokens, _ in episodes])  # [16, width]
-        loss = -(picked * mask).sum() / total
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    done = 0
+    for steps, per_step, params in stages:
+        env = make_task(task, **params)
+        for _ in range(steps):
+            episodes = [demo_tokens(env, tokenizer, mix_seed(seed, done, j), value=True) for j in range(per_step)]
+            done += 1
+            total = sum(sum(policy[1:]) for _, policy in episodes)
+            width = max(len(tokens) for tokens, _ in episodes) - 1
+            inputs, targets, mask = (torch.zeros(per_step, width, dtype=dtype)
+                                     for dtype in (torch.long, torch.long, torch.float32))
+            for row, (tokens, policy) in enumerate(episodes):  # right-padded; the forward packs them
+                n = len(tokens) - 1
+                inputs[row, :n], targets[row, :n] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
+                mask[row, :n] = torch.tensor(policy[1:], dtype=torch.float32)
+            picked = model.token_logprobs(inputs, targets, [len(tokens) - 1 for tokens, _ in episodes])
+            loss = -(picked * mask).sum() / total
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     return model.eval()
 
 
 def cached_model(task: str, args) -> HybridLM:
-    """`warmed_model(task, ...)`, from `args.cache_dir` when a run with the same settings saved it."""
-    steps, lr = (args.tail_warmup_steps, args.tail_warmup_lr) if task == "restate" else (args.warmup_steps, 2e-3)
-    path = Path(args.cache_dir or ".") / f"{task}_steps{steps}_lr{lr:g}_seed0.pt"
+    """`warmed_model(task, ...)`, from `args.cache_dir` when a run with the same settings saved it. The
+    long-tail policy learns to copy on files of at most 40 characters first (`--tail-short-steps`, 32
+    episodes a step: copying emerges there), then on the whole range (`--tail-warmup-steps`, 16)."""
+    if task == "restate":
+        stages, lr = [(args.tail_short_steps, 32, {"max_chars": 40}), (args.tail_warmup_steps, 16, {})], args.tail_warmup_lr
+    else:
+        stages, lr = [(args.warmup_steps, 16, {})], 2e-3
+    name = "_".join(f"{steps}x{n}" for steps, n, _ in stages)
+    path = Path(args.cache_dir or ".") / f"{task}_steps{name}_lr{lr:g}_seed0.pt"
     if args.cache_dir and path.exists():
         model = HybridLM(load_model_config("configs/model/tiny.yaml"))
         model.load_state_dict(torch.load(path, weights_only=True))
         return model.eval()
     t0 = time.perf_counter()
-    model = warmed_model(task, steps, seed=0, lr=lr)
-    print(f"{task}: warm-up of {steps} steps in {time.perf_counter() - t0:.0f} s"
+    model = warmed_model(task, stages, seed=0, lr=lr)
+    print(f"{task}: warm-up of {name} steps x episodes in {time.perf_counter() - t0:.0f} s"
           + (f" (kept in {path})" if args.cache_dir else ""), flush=True)
     if args.cache_dir:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +113,16 @@ def cached_model(task: str, args) -> HybridLM:
 
 
 def rollout(model: HybridLM, workload: str, groups: int, group_size: int, speculative: str, *, greedy: bool = False,
-            stagger: int = 0, row_cost: float | str = "fitted", pool_mb: int = 64) -> dict:
+            stagger: int = 0, row_cost: float | str = "fitted", pool_mb: int = 64, max_seqs: int = 128) -> dict:
     """One rollout iteration on a fresh engine (prefix cache with hash blocks of 4): its figures, each step's
     (running sequences, tokens emitted, seconds), the trajectories as (id, tokens, logprobs), the speculator."""
     task, max_new = WORKLOADS[workload]
     engine = Engine(model, EngineConfig(pool_mb=pool_mb, max_model_len=1024 if workload == "long_tail" else 64,
-                                        max_num_batched_tokens=2048, prefix_cache=PrefixCacheConfig(hash_block=4),
+                                        max_num_batched_tokens=2048, max_num_seqs=max_seqs,
+                                        prefix_cache=PrefixCacheConfig(hash_block=4),
                                         speculative=speculative, speculative_row_cost=row_cost))
-    config = DriverConfig(groups_per_iteration=groups, max_new_tokens=max_new, stagger_lead=stagger)
+    config = DriverConfig(groups_per_iteration=groups, max_new_tokens=max_new, stagger_lead=stagger,
+                          max_concurrency=groups * group_size)  # every trajectory in flight: the concurrency
     driver = RolloutDriver(engine, ByteTokenizer(), task, {}, config, group_size=group_size, seed=3,
                            env=EnvConfig(workers=0, timeout_s=10.0))  # inline: the same steps in every engine
     if greedy:
@@ -155,22 +169,25 @@ def greedy_check(model: HybridLM, workload: str, groups: int, group_size: int) -
 
 
 def agentic_sweep(model: HybridLM, args) -> tuple[dict[int, float], object]:
-    """Tokens/s of engine time, suffix over plain, at each concurrency (that many trajectories, groups of
-    up to 16); and the speculator of the largest concurrency's best run (its fitted cost model)."""
+    """Tokens/s of engine time, suffix over plain, at each concurrency c: the engine runs at most c
+    sequences at once (max_num_seqs), over max(c, 32) trajectories in groups of min(c, 16), so that
+    small concurrencies run long enough to time; and the speculator of the largest concurrency's best
+    run (its fitted cost model)."""
     ratios, last = {}, None
     for c in args.concurrencies:
         size = min(16, c)
+        groups = max(c, args.min_trajectories) // size
         runs = {"off": [], "suffix": []}
         for _ in range(args.repeats):
             for name in runs:
-                runs[name].append(rollout(model, "agentic", max(1, c // size), size, name, pool_mb=16))
+                runs[name].append(rollout(model, "agentic", groups, size, name, pool_mb=16, max_seqs=c))
         plain, spec = best(runs["off"]), best(runs["suffix"])
         ratios[c] = (spec["tokens"] / spec["engine_s"]) / (plain["tokens"] / plain["engine_s"])
         last = spec["spec"]
-        print(f"agentic, {c} trajectories: plain {plain['tokens'] / plain['engine_s']:.0f} tok/s, suffix "
-              f"{spec['tokens'] / spec['engine_s']:.0f} tok/s ({spec['spec'].num_verifications} verifications, "
-              f"{spec['spec'].num_gated_steps} of {spec['steps']} steps past the break-even, acceptance "
-              f"{spec['spec'].acceptance_rate:.2f}): {ratios[c]:.3f}x", flush=True)
+        print(f"agentic, {c} running at most ({groups} x {size} trajectories): plain "
+              f"{plain['tokens'] / plain['engine_s']:.0f} tok/s, suffix {spec['tokens'] / spec['engine_s']:.0f} tok/s "
+              f"({spec['spec'].num_verifications} verifications, {spec['spec'].num_gated_steps} of {spec['steps']} "
+              f"steps past the break-even, acceptance {spec['spec'].acceptance_rate:.2f}): {ratios[c]:.3f}x", flush=True)
     return ratios, last
 
 
@@ -255,17 +272,19 @@ def distribution_test(draws: int) -> tuple[bool, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    p.add_argument("--min-trajectories", type=int, default=32, help="agentic trajectories per concurrency at least")
     p.add_argument("--groups", type=int, default=8, help="long-tail groups")
     p.add_argument("--group-size", type=int, default=8, help="long-tail trajectories per group")
     p.add_argument("--stagger-lead", type=int, default=2, help="members of a group that start first (divided rollout)")
     p.add_argument("--warmup-steps", type=int, default=200, help="the agentic policy's warm-up (lr 2e-3)")
-    p.add_argument("--tail-warmup-steps", type=int, default=300, help="the long-tail policy's warm-up")
-    p.add_argument("--tail-warmup-lr", type=float, default=5e-3)
+    p.add_argument("--tail-short-steps", type=int, default=250, help="the long-tail policy's warm-up on short files")
+    p.add_argument("--tail-warmup-steps", type=int, default=60, help="then on files of every length")
+    p.add_argument("--tail-warmup-lr", type=float, default=3e-3)
     p.add_argument("--cache-dir", default="runs/benchmark_cache", help="where the warmed weights are kept (\"\": nowhere)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--draws", type=int, default=6000)
-    args = parse_args(p, argv, {"concurrencies": [1, 16], "groups": 2, "group_size": 4, "warmup_steps": 4,
-                                "tail_warmup_steps": 2, "cache_dir": "", "repeats": 1, "draws": 600})
+    args = parse_args(p, argv, {"concurrencies": [1, 16], "min_trajectories": 4, "groups": 2, "group_size": 4, "warmup_steps": 4,
+                                "tail_short_steps": 2, "tail_warmup_steps": 1, "cache_dir": "", "repeats": 1, "draws": 600})
     agentic = cached_model("tool_arith", args)
     ratios, spec = agentic_sweep(agentic, args)
     cost = spec.cost

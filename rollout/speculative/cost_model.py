@@ -6,7 +6,8 @@ A step of n decoding sequences, V of whose rows verify proposals, takes about
 the matmuls and attention). `StepCostModel.observe` records each step's (n, V, seconds); `fit` solves
 the least squares over the last `window` steps, pulled toward the prior (the configured constant
 `speculative_row_cost`: decode_row = verify_row = prior x fixed) by a ridge of `prior_weight` steps, so
-that a run of plain steps alone (V = 0) leaves verify_row at the prior instead of undetermined.
+that a run of plain steps alone (V = 0) leaves verify_row at the prior instead of undetermined; and
+verify_row is at least VERIFY_FLOOR x decode_row (a verification row computes what a decode row does).
 
 A kept proposal saves a decode row and its share of the fixed part, decode_row + fixed / n; a verified
 proposal costs verify_row. `saved_per_kept(n)` is their ratio, what `Speculator.worth` weighs against
@@ -22,6 +23,11 @@ import torch
 VERIFY_ROWS = 2.0
 """What verifying a sequence costs besides its rows, in verification rows (planning, acceptance, position
 pages: ~0.1 ms of Python on CPU, about two rows of the tiny model)."""
+
+VERIFY_FLOOR = 1.0
+"""The fitted verification row is at least this share of the fitted decode row: a verification row does
+what a decode row does (its layers, its logits and the sampler's softmax) and more (the KDA state of its
+position written to a position page, the acceptance rule)."""
 
 
 class StepCostModel:
@@ -58,7 +64,11 @@ class StepCostModel:
         ridge = torch.diag(self.prior_weight * scale.square())
         theta = torch.linalg.solve(x.T @ x + ridge, x.T @ y + ridge @ prior)
         fixed = max(float(theta[0]), 1e-9)
-        self.fixed, self.decode_row, self.verify_row = fixed, max(float(theta[1]), 0.0), max(float(theta[2]), 1e-12)
+        decode_row = max(float(theta[1]), 0.0)
+        # below VERIFY_FLOOR of a decode row the fit is noise (a few verification steps among many), and
+        # a cheap verification row would make every batch size pay
+        self.fixed, self.decode_row = fixed, decode_row
+        self.verify_row = max(float(theta[2]), VERIFY_FLOOR * decode_row, 1e-12)
         return self.fixed, self.decode_row, self.verify_row
 
     def saved_per_kept(self, num_seqs: int) -> float:

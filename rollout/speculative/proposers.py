@@ -46,8 +46,9 @@ class Proposer:
         return None
 
     def observe(self, seqs: list[Sequence]) -> None:
-        """A step in which nobody is asked for proposals (its batch is past the break-even): what the
-        proposer learns from these sequences' tokens, it takes now (a suffix tree's texts)."""
+        """A step's sequences, before any is asked for proposals (many are not: their proposals do not
+        pay, or the batch is past the break-even): what the proposer learns from their tokens, it takes
+        now (a suffix tree's texts)."""
 
     def settled(self, seq: Sequence, proposed: int, kept: int) -> None:
         """`seq` kept `kept` of its `proposed` tokens (its tokens are not appended yet)."""

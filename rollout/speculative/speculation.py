@@ -32,7 +32,8 @@ the fixed part, a decode row and a verification row to this engine's measured de
 above the break-even decodes plainly); where none pays it still verifies one proposal after 4, then 8,
 16 ... (at most 64) of its tokens, to notice a change. A step whose batch is past the break-even even
 for proposals always kept (`worth(1.0, n) == 0`) asks nobody and probes nothing: it is plain decoding's
-step (the proposer only reads the sequences' new tokens: `Proposer.observe`), counted as a gated step. A fitted model makes the choice depend on timing:
+step, counted as a gated step. Every step first hands the proposer its sequences (`Proposer.observe`:
+a suffix tree takes their new tokens whether or not they are asked for proposals). A fitted model makes the choice depend on timing:
 the output stays exact, but sampled runs are then not reproducible bit for bit.
 """
 from __future__ import annotations
@@ -207,9 +208,9 @@ class Speculator:
         budget = self.max_batched - step.num_tokens
         num_seqs = len(step.seqs)
         self._step_probes = 0
+        self.proposer.observe(step.seqs)  # a suffix tree takes every sequence's new tokens, asked or not
         if self.worth(1.0, num_seqs) == 0:  # past the break-even: not even proposals always kept would pay
             self.num_gated_steps += 1
-            self.proposer.observe(step.seqs)
             return None
         best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
         wanted: list[tuple[int, int, str | None]] = []  # (index into the step, proposals it may verify, kind if known)

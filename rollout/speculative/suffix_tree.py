@@ -119,10 +119,8 @@ class SuffixTree:
     def propose(self, context: Seq[int], k: int, min_share: float) -> tuple[list[int], int]:
         """(up to k tokens to follow `context`, the first token's match length) (module docstring)."""
         text, out, first = list(context), [], 0
-        while len(out) < k:
-            m, node = self.longest_match(text)
-            if node is None:
-                break
+        m, node = self.longest_match(text)
+        while len(out) < k and node is not None:
             total = sum(c.count for c in node.children.values())
             token, child = min(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))
             if child.count < min_share * total:
@@ -130,6 +128,10 @@ class SuffixTree:
             first = first or m
             out.append(token)
             text.append(token)
+            if child.children and m + 1 <= self.max_depth - 1:
+                m, node = m + 1, child  # the longest match grows by the token (a longer one would have been found)
+            else:
+                m, node = self.longest_match(text)
         return out, first
 
 
@@ -175,7 +177,8 @@ class SuffixProposer(Proposer):
                              f"{key_tokens}; expected >= 1, in [0, 1], >= 1")
         self.max_depth, self.max_tokens, self.min_share, self.key_tokens = max_depth, max_tokens, min_share, key_tokens
         self.trees: OrderedDict[tuple[int, ...], SuffixTree] = OrderedDict()
-        self._fed: weakref.WeakKeyDictionary[Sequence, tuple[SuffixTree, int, int]] = weakref.WeakKeyDictionary()
+        self._fed: weakref.WeakKeyDictionary[Sequence, tuple[SuffixTree, int, int, tuple[int, ...]]] = \
+            weakref.WeakKeyDictionary()  # seq -> (its tree, its text, tokens fed, its key)
         self._order: deque[tuple[SuffixTree, int]] = deque()  # every stored text, oldest first
         self.num_tokens = 0
         self.num_evicted = 0
@@ -189,6 +192,8 @@ class SuffixProposer(Proposer):
     def _feed(self, seq: Sequence) -> SuffixTree:
         """Bring `seq`'s text in its tree up to date (a new sequence starts a text); evict past max_tokens."""
         fed = self._fed.get(seq)
+        if fed is not None and fed[2] == len(seq.tokens):  # nothing new since the last call
+            return fed[0]
         if fed is None:
             key = self.key_of(seq)
             tree = self.trees.get(key)
@@ -196,22 +201,23 @@ class SuffixProposer(Proposer):
                 tree = self.trees[key] = SuffixTree(self.max_depth)
             text_id = tree.new_text()
             self._order.append((tree, text_id))
-            fed = (tree, text_id, len(key))
-        tree, text_id, upto = fed
-        self.trees.move_to_end(self.key_of(seq))
+            fed = (tree, text_id, len(key), key)
+        tree, text_id, upto, key = fed
+        if key in self.trees:
+            self.trees.move_to_end(key)
         new = seq.tokens[upto:]
         if new and text_id in tree.texts:  # an evicted text is not fed again
             tree.extend(text_id, new)
             self.num_tokens += len(new)
-        self._fed[seq] = (tree, text_id, len(seq.tokens))
+        self._fed[seq] = (tree, text_id, len(seq.tokens), key)
         if self.num_tokens > self.max_tokens:
             while self.num_tokens > self.max_tokens and self._order:
                 old_tree, old_id = self._order.popleft()
                 if old_id in old_tree.texts:
                     self.num_tokens -= old_tree.remove(old_id)
                     self.num_evicted += 1
-            for key in [key for key, t in self.trees.items() if not t.texts and t is not tree]:
-                del self.trees[key]
+            for k in [k for k, t in self.trees.items() if not t.texts and t is not tree]:
+                del self.trees[k]
         return tree
 
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -229,8 +235,8 @@ class SuffixProposer(Proposer):
         return self.propose_batch([seq], [k])[0].tokens
 
     def observe(self, seqs: list[Sequence]) -> None:
-        """Feed the sequences' new tokens to their trees: siblings decoded past the break-even still
-        propose for the ones that decode later."""
+        """Feed the sequences' new tokens to their trees (every step, asked or not: a sibling that was
+        never asked still proposes for the ones that decode later, and for the next epoch)."""
         for seq in seqs:
             self._feed(seq)
 

@@ -1,6 +1,6 @@
 """The long-tail restate task (rl/envs/tasks/restate.py): deterministic episodes, file lengths spread
-log-uniformly over [min_chars, max_chars], the demonstration scores 1, partial answers score their
-share of the target before the first difference."""
+log-uniformly over [min_chars, max_chars], the demonstration scores 1, partial answers score the new
+name and the share of the rest restated before the first difference."""
 import json
 import math
 
@@ -47,6 +47,9 @@ def test_partial_and_wrong_answers_score_their_shared_prefix():
     env.step("cat")
     half = target[:len(target) // 2]
     assert env.step(half).reward == pytest.approx(len(half) / len(target))
+    env.reset(7)
+    env.step("cat")  # the file unchanged: everything right but the new name
+    assert env.step("#" + target[1:]).reward == pytest.approx((len(target) - 1) / len(target))
     env.reset(7)
     env.step("cat")
     longer = env.step(target + "zz")

@@ -1,18 +1,19 @@
 """A long-tail, code-edit-like task: read a file with a tool, restate it with one change.
 
-Protocol (each episode draws, from `random.Random(seed)`, a file of minified-code-like text (names of
-1-6 random letters and digits between punctuation: nothing to guess, everything to read) whose length is
+Protocol (each episode draws, from `random.Random(seed)`, a file of code-like text (Python-like words
+between punctuation) whose length is
 log-uniform in [min_chars, max_chars], so that a rollout's answers vary widely in length: the median
 ~63 characters at the defaults, one in ten above ~280; and the new name, a lowercase letter):
 
     prompt     "rename q in k3f:" the new name of the file's first identifier, and the file's name
     turn 1     "cat"              the tool call (its first 3 characters are checked)
-    observe    "=x = a3(k7, b..;" the file, between "=" and ";" (role tool)
-    turn 2     "q = a3(k7, b..."  the file with its first identifier (one letter) renamed
+    observe    "=x = self(value..;"  the file, between "=" and ";" (role tool)
+    turn 2     "q = self(value..."   the file with its first identifier (one letter) renamed
 
-Rewards: a wrong call ends the episode with 0; turn 2 scores the share of the target the answer
-restates before its first difference, common prefix / max(len(answer), len(target)), 1.0 exactly
-when it is the target (is_correct).
+Rewards: a wrong call ends the episode with 0; turn 2 scores the share of the target the answer gets
+right: (the new name right + the rest restated before its first difference) / max(len(answer),
+len(target)), 1.0 exactly when it is the target (is_correct). The name and the copy count apart, so
+a policy that copies but misses the name still earns most of the reward.
 
 Why it exists: a byte-level model that learned to copy restates the tool's text token for token, so
 most of a long answer is predictable from the context and from the group's siblings (the same file):
@@ -33,9 +34,14 @@ from typing import ClassVar
 
 from rl.envs.tasks.base import StepResult, register_task
 
+WORDS = ("def", "return", "self", "value", "result", "index", "count", "total", "items", "append", "range",
+         "print", "lambda", "import", "class", "while", "break", "yield", "numpy", "torch", "tensor", "shape",
+         "length", "buffer", "offset", "config", "params", "weight", "output", "input", "batch", "layer",
+         "module", "forward", "kernel", "stride", "update", "assert", "None", "True")
+"""The file's names: Python-like words (a byte-level model learns to complete a word from its first
+characters; which word comes next is the file's)."""
 SEPARATORS = (" ", " ", " ", " = ", "(", ")", ", ", ".", "\n")
-"""What joins the file's names: minified-code-like punctuation."""
-NAME_CHARS = string.ascii_lowercase + string.digits
+"""What joins them: code-like punctuation."""
 
 
 @register_task("restate")
@@ -70,8 +76,8 @@ class Restate:
         old, new = rng.sample(string.ascii_lowercase[:20], 2)
         name = "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(3))
         body = ""
-        while len(body) < length:  # names of 1-6 random characters: a copier has to read them
-            body += rng.choice(SEPARATORS) + "".join(rng.choice(NAME_CHARS) for _ in range(rng.randint(1, 6)))
+        while len(body) < length:
+            body += rng.choice(SEPARATORS) + rng.choice(WORDS)
         self._file = (old + body)[:length]
         self._target = new + self._file[1:]
         self._turn = 1
@@ -94,7 +100,8 @@ class Restate:
             return StepResult(f"={self._file};", 0.0, False, components={"call_ok": 1.0}, role="tool")
         self._turn = 0
         target = self._target
-        same = next((i for i, (a, b) in enumerate(zip(answer, target)) if a != b), min(len(answer), len(target)))
-        reward = same / max(len(answer), len(target))
+        body, want = answer[1:], target[1:]
+        same = next((i for i, (a, b) in enumerate(zip(body, want)) if a != b), min(len(body), len(want)))
+        reward = (int(answer[:1] == target[:1]) + same) / max(len(answer), len(target))
         return StepResult("", reward, True, components={"call_ok": 1.0, "exact": float(answer == target)},
                           is_correct=answer == target)

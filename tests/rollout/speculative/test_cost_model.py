@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rollout.speculative.cost_model import VERIFY_ROWS, StepCostModel
+from rollout.speculative.cost_model import VERIFY_FLOOR, VERIFY_ROWS, StepCostModel
 
 
 def synthetic(model: StepCostModel, fixed: float, decode_row: float, verify_row: float, steps: int,
@@ -19,11 +19,11 @@ def synthetic(model: StepCostModel, fixed: float, decode_row: float, verify_row:
 
 def test_the_fit_recovers_a_known_cost_law():
     model = StepCostModel(prior_row_cost=0.016)
-    synthetic(model, fixed=3e-3, decode_row=50e-6, verify_row=30e-6, steps=500)
+    synthetic(model, fixed=3e-3, decode_row=50e-6, verify_row=70e-6, steps=500)
     fixed, decode_row, verify_row = model.fit()
     # 2% multiplicative noise on each step: the parts come back within a few percent of their own size
     assert fixed == pytest.approx(3e-3, rel=0.05)
-    assert decode_row == pytest.approx(50e-6, rel=0.05) and verify_row == pytest.approx(30e-6, rel=0.05)
+    assert decode_row == pytest.approx(50e-6, rel=0.05) and verify_row == pytest.approx(70e-6, rel=0.05)
 
 
 def test_without_verification_steps_the_verification_row_stays_at_the_prior():
@@ -55,3 +55,14 @@ def test_how_many_proposals_pay_is_the_best_expected_saving():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
     n = model.break_even(0.8, 8)
     assert model.worth(0.8, n, 8) > 0 and model.worth(0.8, n + 1, 8) == 0
+
+
+def test_verification_rows_that_look_free_are_floored_and_the_break_even_stays_finite():
+    """Steps whose time does not grow with their verification rows (what a handful of noisy steps can
+    say): the fit's verification row is VERIFY_FLOOR of a decode row, not zero, so a large enough batch
+    still decodes plainly, for any acceptance below 1."""
+    model = StepCostModel(prior_row_cost=0.016)
+    synthetic(model, fixed=3e-3, decode_row=50e-6, verify_row=0.0, steps=300)
+    _, decode_row, verify_row = model.fit()
+    assert verify_row == pytest.approx(VERIFY_FLOOR * decode_row)
+    assert 0 < model.break_even(0.95, 4) < 4096

@@ -405,3 +405,65 @@ def test_a_step_where_nobody_proposes_leaves_every_kda_state_exactly_as_plain_de
         trees = engine.speculator.proposer.trees
         assert sum(len(t.texts) for t in trees.values()) == len(batch)
         assert sum(t.num_tokens for t in trees.values()) >= sum(len(s.tokens) for s in want) - len(batch)
+
+
+def test_suffix_proposals_of_a_later_turn_are_verified_and_only_verified_tokens_are_cached(tiny_model, plain):
+    """The suffix proposer with the prefix cache: a next turn (the prompt and 5 of its tokens, the first
+    turn's boundary marked) proposes from the first turn's texts; after every step every index entry is
+    a recompute of a prefix of what plain decoding produced, and the output is plain decoding's."""
+    batch, want, _ = plain
+    engine = engine_for(tiny_model, "suffix", prefix=True)
+    verify, checked = make_verifier(tiny_model, [p + s.tokens for p, s in zip(batch, want)])
+    first = generate(engine, batch, after_step=verify, turns=True)
+    trees = engine.speculator.proposer.trees  # every first-turn text whole but its last token (never stepped)
+    assert sorted(len(t) for tree in trees.values() for t in tree.texts.values()) == [23] * len(batch)
+    spec = engine.speculator
+    proposed, accepted = spec.num_proposed, spec.num_accepted
+    later = SamplingParams(temperature=0.0, max_new_tokens=19, ignore_eos=True)
+    ids = [engine.add_request(p + s.tokens[:5], later, turn_boundaries=[len(p), len(p) + 5]) for p, s in zip(batch, want)]
+    outs = {}
+    while len(outs) < len(ids):
+        outs.update((out.request_id, out) for out in engine.step())
+        verify(engine)
+    assert [s.tokens for s in first] == [s.tokens for s in want]
+    assert [outs[i].samples[0].tokens for i in ids] == [s.tokens[5:] for s in want]
+    kept = (spec.num_accepted - accepted) / (spec.num_proposed - proposed)
+    assert kept == 1.0  # the first turn's text, greedy: each proposal is what plain decoding emits
+    assert engine.cache.prefix.hit_tokens > 0 and checked["mla"] > 0 and checked["kda"] > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution_with_suffix_proposals(tiny_model):
+    """600 forks of one prompt, three tokens at T=1, top-k 3, after an earlier epoch of the same prompt
+    (its 64 samples in the suffix tree): the second token is a verification's whenever the tree proposes
+    (every proposal verified). Counts of the 9 (t1, t2) outcomes vs p(t1) p(t2 | t1) by the model."""
+    from tests.rollout.speculative.test_draft import CHI2_DF8_P9999
+
+    prompt = [12, 99, 7, 200, 31]
+    engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 4000, max_model_len=64, max_num_seqs=600,
+                                                       max_num_batched_tokens=2048, speculative="suffix",
+                                                       speculative_row_cost=0.0))
+    engine.generate([prompt], SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, n=64, seed=4, ignore_eos=True))
+    before = engine.speculator.num_verifications
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, n=600, seed=5, ignore_eos=True)
+    [out] = engine.generate([prompt], params)
+    spec = engine.speculator
+    assert spec.num_verifications - before >= 500 and 0.1 < spec.acceptance_rate < 0.95
+    with torch.no_grad():
+        p1 = torch.softmax(tiny_model(torch.tensor([prompt]))[0, -1].double(), dim=-1)
+    firsts = p1.topk(3).indices.tolist()
+    counts: dict[tuple[int, int], int] = {}
+    for sample in out.samples:
+        counts[(sample.tokens[0], sample.tokens[1])] = counts.get((sample.tokens[0], sample.tokens[1]), 0) + 1
+    chi2, total = 0.0, 0
+    top1 = p1[firsts] / p1[firsts].sum()
+    for a, pa in zip(firsts, top1.tolist()):
+        with torch.no_grad():
+            p2 = torch.softmax(tiny_model(torch.tensor([prompt + [a]]))[0, -1].double(), dim=-1)
+        values, seconds = p2.topk(3)
+        for b, pb in zip(seconds.tolist(), (values / values.sum()).tolist()):
+            want_n = 600 * pa * pb
+            got = counts.get((a, b), 0)
+            chi2 += (got - want_n) ** 2 / want_n
+            total += got
+    assert total == 600  # every outcome is one of the 9 the target allows
+    assert chi2 < CHI2_DF8_P9999, (chi2, counts)
