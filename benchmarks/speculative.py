@@ -148,7 +148,9 @@ def rollout(model: HybridLM, workload: str, groups: int, group_size: int, specul
     trajs = sorted((t.traj_id, tuple(t.tokens), tuple(t.logprobs)) for g in result.groups for t in g)
     reward = sum(t.reward for g in result.groups for t in g) / max(1, len(trajs))
     tail = [(n, s) for running, n, s in steps if 0 < running <= TAIL]
-    return {"tokens": m["rollout_tokens"], "engine_s": m["engine_step_seconds"], "wall_s": wall, "reward": reward,
+    buckets = {name: [(n, s) for running, n, s in steps if lo <= running <= hi]
+               for name, (lo, hi) in {"1-8": (1, 8), "9-32": (9, 32), "33+": (33, 1 << 30)}.items()}
+    return {"buckets": {name: (sum(n for n, _ in b), sum(s for _, s in b)) for name, b in buckets.items()}, "tokens": m["rollout_tokens"], "engine_s": m["engine_step_seconds"], "wall_s": wall, "reward": reward,
             "tail_tokens": sum(n for n, _ in tail), "tail_s": sum(s for _, s in tail), "steps": len(steps),
             "trajs": trajs, "spec": engine.speculator}
 
@@ -204,7 +206,9 @@ def long_tail(model: HybridLM, args) -> dict[str, float]:
         print(f"long tail, {name}: {r['wall_s']:.2f} s for {r['tokens']} tokens ({r['steps']} steps; tail "
               f"{r['tail_tokens']} tokens at {r['tail_tokens'] / max(r['tail_s'], 1e-9):.0f} tok/s), reward "
               f"{r['reward']:.3f}" + ("" if spec is None else f", acceptance {spec.acceptance_rate:.2f} "
-                                      f"({spec.num_verifications} verifications)"), flush=True)
+                                      f"({spec.num_verifications} verifications)")
+              + "; by running sequences: " + ", ".join(f"{b} {n:.0f} tokens in {t:.2f} s" for b, (n, t) in r["buckets"].items()),
+              flush=True)
     tail_rate = {name: r["tail_tokens"] / max(r["tail_s"], 1e-9) for name, r in top.items()}
     return {"tail_spec_vs_plain": tail_rate["suffix"] / tail_rate["off"],
             "rollout_phase_time_vs_plain": top["suffix"]["wall_s"] / top["off"]["wall_s"],
@@ -272,7 +276,7 @@ def distribution_test(draws: int) -> tuple[bool, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 64, 128])
-    p.add_argument("--min-trajectories", type=int, default=32, help="agentic trajectories per concurrency at least")
+    p.add_argument("--min-trajectories", type=int, default=128, help="agentic trajectories per concurrency at least")
     p.add_argument("--groups", type=int, default=8, help="long-tail groups")
     p.add_argument("--group-size", type=int, default=8, help="long-tail trajectories per group")
     p.add_argument("--stagger-lead", type=int, default=2, help="members of a group that start first (divided rollout)")

@@ -190,7 +190,8 @@ class Speculator:
         """A decode step's measured seconds (`num_decoding` sequences, each one row, plus the plan's
         verification rows) for the fitted cost model; nothing unless speculative_row_cost=fitted."""
         if self.fitted:
-            self.cost.observe(num_decoding, sum(len(p) for p in plan.proposals) if plan is not None else 0, seconds)
+            self.cost.observe(num_decoding, sum(len(p) for p in plan.proposals) if plan is not None else 0, seconds,
+                              len(plan.index) if plan is not None else 0)
 
     def stats(self) -> dict[str, float]:
         """Tokens proposed and kept, and verifications, since the engine was built (`Engine.stats`)."""

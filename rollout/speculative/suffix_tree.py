@@ -67,18 +67,21 @@ class SuffixTree:
     def extend(self, text_id: int, tokens: Seq[int]) -> None:
         """Append `tokens` to text `text_id`: each new position adds the substrings ending there, by
         extending the nodes of the suffixes that ended one token before (O(max_depth) per token)."""
-        text, ends = self.texts[text_id], self._ends[text_id]
+        text, ends, root, cap = self.texts[text_id], self._ends[text_id], self.root, self.max_depth - 1
         for token in tokens:
             token = int(token)
             text.append(token)
             new = []
-            for parent in (self.root, *ends):  # suffixes of 1 .. len(ends) + 1 tokens
-                child = parent.children.get(token)
+            for parent in [root] + ends:  # suffixes of 1 .. len(ends) + 1 tokens
+                children = parent.children
+                child = children.get(token)
                 if child is None:
-                    child = parent.children[token] = _Node()
+                    child = children[token] = _Node()
                 child.count += 1
                 new.append(child)
-            ends[:] = new[:self.max_depth - 1]
+            del new[cap:]
+            ends = new
+        self._ends[text_id] = ends
 
     def remove(self, text_id: int) -> int:
         """Forget text `text_id` (its occurrences subtracted, empty nodes removed); its token count."""

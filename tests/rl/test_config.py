@@ -119,7 +119,7 @@ DEFAULT_RUN = {
                "max_num_batched_tokens": 1024, "max_num_seqs": 128, "kernel_impl": None,
                "check_every_step": False, "prefix_cache": None, "host_pool_mb": 0,
                "kv_budget": None, "kda_state_dtype": "fp32", "speculative": "off", "num_speculative_tokens": 4,
-               "ngram_min": 1, "ngram_max": 4, "suffix_max_depth": 16, "suffix_max_tokens": 65536,
+               "ngram_min": 1, "ngram_max": 4, "suffix_max_depth": 8, "suffix_max_tokens": 65536,
                "suffix_min_share": 0.3, "speculative_row_cost": 0.016, "draft_model": None},
     "trainer": {"num_chunks": 2, "chunk_split": "layers", "num_grad_slots": 2, "max_bad_steps": 3,
                 "max_grad_norm": 1.0, "micro_batch_tokens": None,
