@@ -30,11 +30,12 @@ only the proposals that pay for their token row (`worth`: on CPU a row costs abo
 fixed part, `EngineConfig.speculative_row_cost`; with "fitted", rollout/speculative/cost_model.py fits
 the fixed part, a decode row and a verification row to this engine's measured decode steps, so a batch
 above the break-even decodes plainly); where none pays it still verifies one proposal after 4, then 8,
-16 ... (at most 64) of its tokens, to notice a change. A step whose batch is past the break-even even
-for proposals always kept (`worth(1.0, n) == 0`) asks nobody and probes nothing: it is plain decoding's
-step, counted as a gated step. Every step first hands the proposer its sequences (`Proposer.observe`:
-a suffix tree takes their new tokens whether or not they are asked for proposals). A fitted model makes the choice depend on timing:
-the output stays exact, but sampled runs are then not reproducible bit for bit.
+16 ... (at most 64) of its tokens, to notice a change. A step whose batch is past the break-even of
+proposals kept at GATE_RATE (or the best kind's rate, if higher) asks nobody, probes nothing and feeds
+no tree: it is plain decoding's step, counted as a gated step (a tree catches a sequence up when it is
+next asked). Other steps first hand the proposer their sequences (`Proposer.observe`: a suffix tree
+takes their new tokens whether or not they are asked). A fitted model makes the choice depend on
+timing: the output stays exact, but sampled runs are then not reproducible bit for bit.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ from rollout.speculative.suffix_tree import SuffixProposer
 Sample = tuple[Sequence, int, float, float]
 """A token a step emits: (sequence, token, behaviour logprob, entropy of its sampling distribution)."""
 MAX_BACKOFF = 64
+GATE_RATE = 0.95
+"""A step gates (asks nobody, probes nothing) where proposals kept at this rate, or the best kind's rate
+if higher, would not pay."""
 """Most tokens a sequence for which speculation does not pay decodes between two probes."""
 PROBE_AFTER = 4
 """Tokens before the first probe of such a sequence (then 8, 16 ... MAX_BACKOFF between probes)."""
@@ -209,11 +213,11 @@ class Speculator:
         budget = self.max_batched - step.num_tokens
         num_seqs = len(step.seqs)
         self._step_probes = 0
-        self.proposer.observe(step.seqs)  # a suffix tree takes every sequence's new tokens, asked or not
-        if self.worth(1.0, num_seqs) == 0:  # past the break-even: not even proposals always kept would pay
+        best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
+        if self.worth(max(best_rate, GATE_RATE), num_seqs) == 0:  # past the break-even of the best kind
             self.num_gated_steps += 1
             return None
-        best_rate = max((self.kind_rate(kind) for kind in self._kinds), default=self.kind_rate(""))
+        self.proposer.observe(step.seqs)  # a suffix tree takes every sequence's new tokens, asked or not
         wanted: list[tuple[int, int, str | None]] = []  # (index into the step, proposals it may verify, kind if known)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             if budget <= 0:

@@ -400,11 +400,9 @@ def test_a_step_where_nobody_proposes_leaves_every_kda_state_exactly_as_plain_de
     assert [s.logprobs for s in got] == [s.logprobs for s in want]
     assert checked["checked"] > 0 and checked["worst"] == 0.0, checked  # exactly equal, every entry
     assert engine.speculator.num_verifications == 0
-    if how == "past_break_even":  # every step gated, and the suffix trees still hold every sequence's text
+    if how == "past_break_even":  # every step gated: nobody asked, no tree fed
         assert engine.speculator.num_gated_steps == engine.num_steps
-        trees = engine.speculator.proposer.trees
-        assert sum(len(t.texts) for t in trees.values()) == len(batch)
-        assert sum(t.num_tokens for t in trees.values()) >= sum(len(s.tokens) for s in want) - len(batch)
+        assert not engine.speculator.proposer.trees
 
 
 def test_suffix_proposals_of_a_later_turn_are_verified_and_only_verified_tokens_are_cached(tiny_model, plain):
