@@ -63,6 +63,32 @@ def test_greedy_with_a_draft_emits_plain_decodings_tokens(tiny_model, plain, dra
         assert spec.acceptance_rate < 0.5
 
 
+def top3_chi2(model, prompt: list[int], samples) -> tuple[float, int, dict]:
+    """Chi-square of the samples' first two tokens against p(t1) p(t2 | t1) of `model` under top-k 3
+    (9 outcomes; the samples' count is the expected total); also how many samples fell among the 9
+    and the counts."""
+    def top3(tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+        with torch.no_grad():
+            p = torch.softmax(model(torch.tensor([tokens]))[0, -1].double(), dim=-1)
+        values, ids = p.topk(3)
+        return ids.tolist(), values / values.sum()
+
+    counts: dict[tuple[int, int], int] = {}
+    for sample in samples:
+        key = (sample.tokens[0], sample.tokens[1])
+        counts[key] = counts.get(key, 0) + 1
+    firsts, p1 = top3(prompt)
+    chi2, total = 0.0, 0
+    for a, pa in zip(firsts, p1.tolist()):
+        seconds, p2 = top3(prompt + [a])
+        for b, pb in zip(seconds, p2.tolist()):
+            want = len(samples) * pa * pb
+            got = counts.get((a, b), 0)
+            chi2 += (got - want) ** 2 / want
+            total += got
+    return chi2, total, counts
+
+
 def test_sampled_tokens_follow_the_target_distribution_with_a_draft_that_agrees_in_part(tiny_model):
     """600 samples (forks of one request, seeded) of three tokens at T=1, top-k 3: the second is always a
     verification's (an accepted draft token or the residual's draw; one proposal fits before the third).
@@ -75,25 +101,7 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_draft_that_agrees_
     [out] = engine.generate([prompt], params)
     assert engine.speculator.num_verifications >= 500 and 0.1 < engine.speculator.acceptance_rate < 0.9
 
-    def top3(tokens: list[int]) -> tuple[list[int], torch.Tensor]:
-        with torch.no_grad():
-            p = torch.softmax(tiny_model(torch.tensor([tokens]))[0, -1].double(), dim=-1)
-        values, ids = p.topk(3)
-        return ids.tolist(), values / values.sum()
-
-    firsts, p1 = top3(prompt)
-    counts: dict[tuple[int, int], int] = {}
-    for sample in out.samples:
-        key = (sample.tokens[0], sample.tokens[1])
-        counts[key] = counts.get(key, 0) + 1
-    chi2, total = 0.0, 0
-    for a, pa in zip(firsts, p1.tolist()):
-        seconds, p2 = top3(prompt + [a])
-        for b, pb in zip(seconds, p2.tolist()):
-            want = 600 * pa * pb
-            got = counts.get((a, b), 0)
-            chi2 += (got - want) ** 2 / want
-            total += got
+    chi2, total, counts = top3_chi2(tiny_model, prompt, out.samples)
     assert total == 600  # every outcome is one of the 9 the target allows
     assert chi2 < CHI2_DF8_P9999, (chi2, counts)
 

@@ -14,6 +14,7 @@ from rollout.request import SeqStatus
 from rollout.sampling import SamplingParams
 from rollout.speculative.proposers import NgramProposer, Proposer
 from tests.rollout.kv.test_prefix_cache import HB, make_verifier
+from tests.rollout.speculative.test_draft import CHI2_DF8_P9999, top3_chi2
 from tests.bounds import LOGPROB_TOL
 
 pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
@@ -434,8 +435,6 @@ def test_sampled_tokens_follow_the_target_distribution_with_suffix_proposals(tin
     """600 forks of one prompt, three tokens at T=1, top-k 3, after an earlier epoch of the same prompt
     (its 64 samples in the suffix tree): the second token is a verification's whenever the tree proposes
     (every proposal verified). Counts of the 9 (t1, t2) outcomes vs p(t1) p(t2 | t1) by the model."""
-    from tests.rollout.speculative.test_draft import CHI2_DF8_P9999
-
     prompt = [12, 99, 7, 200, 31]
     engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 4000, max_model_len=64, max_num_seqs=600,
                                                        max_num_batched_tokens=2048, speculative="suffix",
@@ -446,22 +445,6 @@ def test_sampled_tokens_follow_the_target_distribution_with_suffix_proposals(tin
     [out] = engine.generate([prompt], params)
     spec = engine.speculator
     assert spec.num_verifications - before >= 500 and 0.1 < spec.acceptance_rate < 0.95
-    with torch.no_grad():
-        p1 = torch.softmax(tiny_model(torch.tensor([prompt]))[0, -1].double(), dim=-1)
-    firsts = p1.topk(3).indices.tolist()
-    counts: dict[tuple[int, int], int] = {}
-    for sample in out.samples:
-        counts[(sample.tokens[0], sample.tokens[1])] = counts.get((sample.tokens[0], sample.tokens[1]), 0) + 1
-    chi2, total = 0.0, 0
-    top1 = p1[firsts] / p1[firsts].sum()
-    for a, pa in zip(firsts, top1.tolist()):
-        with torch.no_grad():
-            p2 = torch.softmax(tiny_model(torch.tensor([prompt + [a]]))[0, -1].double(), dim=-1)
-        values, seconds = p2.topk(3)
-        for b, pb in zip(seconds.tolist(), (values / values.sum()).tolist()):
-            want_n = 600 * pa * pb
-            got = counts.get((a, b), 0)
-            chi2 += (got - want_n) ** 2 / want_n
-            total += got
+    chi2, total, counts = top3_chi2(tiny_model, prompt, out.samples)
     assert total == 600  # every outcome is one of the 9 the target allows
     assert chi2 < CHI2_DF8_P9999, (chi2, counts)
