@@ -14,7 +14,6 @@ from rollout.request import SeqStatus
 from rollout.sampling import SamplingParams
 from rollout.speculative.proposers import NgramProposer, Proposer
 from tests.rollout.kv.test_prefix_cache import HB, make_verifier
-from tests.rollout.speculative.test_draft import CHI2_DF8_P9999, top3_chi2
 from tests.bounds import LOGPROB_TOL
 
 pytestmark = [pytest.mark.numerics]  # compares two computation orders: run under every CPU kernel path (make test-slow)
@@ -435,6 +434,8 @@ def test_sampled_tokens_follow_the_target_distribution_with_suffix_proposals(tin
     """600 forks of one prompt, three tokens at T=1, top-k 3, after an earlier epoch of the same prompt
     (its 64 samples in the suffix tree): the second token is a verification's whenever the tree proposes
     (every proposal verified). Counts of the 9 (t1, t2) outcomes vs p(t1) p(t2 | t1) by the model."""
+    from tests.rollout.speculative.test_draft import CHI2_DF8_P9999, top3_chi2  # test_draft imports this module
+
     prompt = [12, 99, 7, 200, 31]
     engine = Engine(tiny_model, EngineConfig.for_pages(tiny_model, 4000, max_model_len=64, max_num_seqs=600,
                                                        max_num_batched_tokens=2048, speculative="suffix",
