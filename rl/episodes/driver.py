@@ -68,7 +68,6 @@ class TurnEnd:
     """The iteration's counters (tokens, finished, dropped/<reason>), updated in place."""
 
     def __call__(self, out: RequestOutput) -> list[Submission]:
-        nxt: list[Submission] = []
         for t, sample in zip(self.trajs, out.samples):
             t.request_id = None
             if t.tokens[:len(out.prompt)] != out.prompt:  # token in, token out: no text round trip anywhere

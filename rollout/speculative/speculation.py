@@ -52,7 +52,7 @@ from rollout.engine_config import EngineConfig
 from rollout.speculative.proposers import NgramProposer, Proposer
 from rollout.request import Sequence
 from rollout.scheduler import ScheduledStep
-from rollout.speculative.cost_model import VERIFY_ROWS, StepCostModel
+from rollout.speculative.cost_model import StepCostModel
 from rollout.speculative.spec_accept import accept_many
 from rollout.speculative.suffix_tree import SuffixProposer
 
@@ -184,8 +184,8 @@ class Speculator:
         """How many proposals pay in a step of `num_seqs` sequences (0: none). In token rows: proposal j, kept
         with chance a^j, costs one row; kept, it saves a later row and its share of a step's fixed part,
         1 + 1 / (r num_seqs) rows, r = `row_cost` (a row's cost as a share of the fixed part); a
-        verification also costs VERIFY_ROWS rows of bookkeeping. The k with the largest expected saving
-        sum_j a^j (1 + 1 / (r n)) - k - VERIFY_ROWS, if that saving is positive."""
+        verification also costs its own bookkeeping (`StepCostModel.overhead_rows`: two rows, or fitted).
+        The k with the largest expected saving sum_j a^j (1 + 1 / (r n)) - k - that, if positive."""
         if self.row_cost == 0 and not self.fitted:
             return self.max_k
         return self.cost.worth(acceptance, num_seqs, self.max_k)
