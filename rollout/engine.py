@@ -149,6 +149,12 @@ class Engine(EnginePhases):
         self.scheduler.add(seq)
         return request_id
 
+    def expect_resume(self, tokens: Seq[int], at: float) -> None:
+        """A conversation waiting on its tool will continue `tokens` at about `at` (time.monotonic()
+        seconds, the tool's expected end): under a short pool its KV leaves the device after that of
+        conversations resuming later, and comes back by prefetch once its request is queued."""
+        self.cache.expect_resume([int(t) for t in tokens], float(at))
+
     def check_context(self, prompt_len: int) -> None:
         """Raise `ContextTooLong` if a request of `prompt_len` prompt tokens can never run here: the
         prompt leaves no room for one generated token under `max_model_len`. Pure (the RL driver
@@ -264,6 +270,8 @@ class Engine(EnginePhases):
         """Pick the step's sequences and chunks; the cache runs the copies they wait on."""
         scheduled = self.scheduler.schedule()
         self.num_computed_tokens += scheduled.num_tokens
+        if self.cache.host_tier is not None and self.scheduler.waiting:  # queued prefixes start back from the host
+            self.cache.prefetch_waiting(self.scheduler.waiting, reserve=len(self.scheduler.running))
         self.cache.before_forward()  # this step's page copies, right before the forward pass
         return scheduled
 

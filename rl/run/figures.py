@@ -77,7 +77,7 @@ def mechanism_figures(records: list[dict], phases: list[dict]) -> dict[str, floa
     """The memory mechanisms' figures from metrics.jsonl `records` and phases.jsonl `phases`."""
     out: dict[str, float] = {}
     sums = ("prefix_hit_tokens", "prefix_stale_hit_tokens", "host_pages_written_back", "host_pages_prefetched",
-            "trajectories_carried", "ref_stream_s", "ref_stream_wait_s", "ref_stream_bytes")
+            "host_pages_prefetched_ahead", "host_hit_tokens", "reprefilled_tokens", "trajectories_carried", "ref_stream_s", "ref_stream_wait_s", "ref_stream_bytes")
     for key in sums:
         values = [r[key] for r in records if key in r]
         if values:
@@ -86,7 +86,7 @@ def mechanism_figures(records: list[dict], phases: list[dict]) -> dict[str, floa
     if carried:
         out["iterations_with_carry_over"] = float(sum(c > 0 for c in carried))
         out["trajectories_carried_max"] = float(max(carried))
-    for key in ("prefix_hit_frac", "stale_token_frac", "ref_stream_s"):
+    for key in ("prefix_hit_frac", "stale_token_frac", "ref_stream_s", "prefetch_hidden_fraction"):
         values = [r[key] for r in records if key in r]
         if values:
             out[f"{key}_mean"] = _mean(values)

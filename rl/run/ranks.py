@@ -231,7 +231,8 @@ SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_car
                     "dropped/timeout", "dropped/tokenizer", "dropped/bad_reward",
                     "train_tokens", "train_sequences", "loss/num_tokens",
                     "prefix_hit_tokens", "prefix_stale_hit_tokens", "kv_computed_tokens", "host_pages_written_back",
-                    "host_pages_prefetched", "host_pool_bytes", "ref_stream_bytes",
+                    "host_pages_prefetched", "host_pages_prefetched_ahead", "host_hit_tokens", "reprefilled_tokens",
+                    "admissions_deferred", "host_copy_load_s", "host_copy_wait_s", "host_pool_bytes", "ref_stream_bytes",
                     "val/num_prompts", "val/num_samples", "val/reward_sum", "val/num_correct", "val/num_pass",
                     "val/mean_sum", "val/tokens", "val/errors", "env_calls", "env_retries", "env_timeouts",
                     "env_failures_scored", "env_busy_seconds", "engine_step_seconds", "env_wait_seconds",
@@ -281,6 +282,9 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         elif key == "prefix_hit_frac":  # hit / (hit + computed) tokens of KV, over every rank's engine
             hits = sum(m["prefix_hit_tokens"] for m in have)
             out[key] = hits / max(1.0, hits + sum(m["kv_computed_tokens"] for m in have))
+        elif key == "prefetch_hidden_fraction":  # over every rank's prefetch copies
+            load = sum(m["host_copy_load_s"] for m in have)
+            out[key] = min(1.0, max(0.0, 1.0 - sum(m["host_copy_wait_s"] for m in have) / load)) if load > 0 else 1.0
         elif key == "spec_acceptance":  # kept / proposed tokens, over every rank's engine
             out[key] = sum(m["spec_accepted"] for m in have) / max(1.0, sum(m["spec_proposed"] for m in have))
         elif _val_ratio(key) is not None:

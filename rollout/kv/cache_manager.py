@@ -4,7 +4,7 @@ Every sequence holds, per MLA cache group, `ceil(tokens / block_tokens)` pages i
 (its block table) and, per KDA cache group, one private page with its recurrent state. Pages are
 ref-counted by the pool; a page shared by forks is referenced once per sequence holding it.
 The scheduler and the engine call phase methods only — `chunk`, `admit`, `grow`, `preempt`,
-`swap_in`, `reset`, `finish`, `before_forward`, `after_forward`, `idle`, `park`/`sleep`/`wake`, `set_version`,
+`swap_in`, `reset`, `finish`, `expect_resume`, `prefetch_waiting`, `before_forward`, `after_forward`, `idle`, `park`/`sleep`/`wake`, `set_version`,
 `stats` — never the parts behind them: the prefix cache (rollout/kv/prefix_cache.py), the host tier
 (rollout/kv/host_tier.py), the token evictor (rollout/kv/kv_eviction.py), the step's page copies.
 Invariant (`check_integrity`): each page's pool refcount == the number of sequence slots, index
@@ -12,6 +12,8 @@ entries and pending copies that list it, and the pool's own free/used accounting
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -27,6 +29,9 @@ from rollout.kv.page_copies import PageCopies
 from rollout.kv.prefix_cache import PrefixCache
 from rollout.kv.prefix_config import PrefixCacheConfig
 from rollout.request import Sequence
+
+PREFETCH_LOOKAHEAD = 8
+"""Queued sequences whose host-tier prefix is prefetched ahead of their admission, per step."""
 
 
 class CacheManager:
@@ -73,6 +78,25 @@ class CacheManager:
         """Start a waiting sequence at its longest cached prefix (if any). False: that prefix waits
         on a pending copy or a prefetch; admit the sequence next step (nothing changed)."""
         return self.prefix is None or self.prefix.attach(seq) is not None
+
+    def expect_resume(self, tokens: list[int], at: float) -> None:
+        """A conversation waiting on its tool continues `tokens` at about `at` (monotonic seconds): when
+        the pool is short, its prefix entries go to the host tier after those of conversations resuming
+        later (rollout/kv/resume_order.py). Nothing without a prefix cache."""
+        if self.prefix is not None:
+            self.prefix.expect(tokens, at)
+
+    def prefetch_waiting(self, waiting: Iterable[Sequence], reserve: int) -> None:
+        """Before the step's copies run: the first PREFETCH_LOOKAHEAD queued sequences (not yet admitted,
+        in queue order) whose cached prefix sits on the host tier get it prefetched now, while `reserve`
+        device pages stay free, so that their admission finds it on the device (the copy overlaps this
+        step's forward) instead of waiting a step for it."""
+        if self.prefix is None:
+            return
+        now = time.monotonic()
+        for i, seq in enumerate(itertools.islice(waiting, PREFETCH_LOOKAHEAD)):
+            if not seq.holds_pages and not seq.num_computed and not self.is_swapped(seq):
+                self.prefix.prefetch_ahead(seq, now + i * 1e-6, reserve)  # the queue's order: sooner first
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         """Make `seq` ready to compute `num_new` more tokens: evict tokens under a KV budget, then
@@ -307,12 +331,17 @@ class CacheManager:
             out["swapped_pages"] = self.host_tier.num_swapped_slots
         if self.prefix is not None:  # prefix cache and host tier counters since the engine was built
             out.update(prefix_hit_tokens=self.prefix.hit_tokens, prefix_stale_hit_tokens=self.prefix.stale_hit_tokens,
-                       prefix_lookups=self.prefix.lookups)
+                       prefix_lookups=self.prefix.lookups, reprefilled_tokens=self.prefix.reprefilled_tokens,
+                       admissions_deferred=self.prefix.deferred_admissions)
         if self.host_tier is not None:
             host = self.host_tier.host
             out.update(host_pool_bytes=host.pool_bytes, host_pages_used=host.num_used,
                        host_pages_written_back=self.host_tier.pages_written_back,
-                       host_pages_prefetched=self.host_tier.pages_prefetched)
+                       host_pages_prefetched=self.host_tier.pages_prefetched,
+                       host_copy_load_s=host.copier.load_seconds, host_copy_wait_s=host.copier.load_wait_seconds)
+            if self.prefix is not None:
+                out.update(host_hit_tokens=self.prefix.host_hit_tokens,
+                           host_pages_prefetched_ahead=self.prefix.prefetched_ahead)
         return out
 
     # ---- pages ---------------------------------------------------------------------------------------

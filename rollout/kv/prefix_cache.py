@@ -25,6 +25,7 @@ from rollout.kv.page_loc import Loc
 from rollout.kv.prefix_config import PrefixCacheConfig
 from rollout.kv.prefix_index import Match, PrefixIndex, cache_salt, chain_hashes
 from rollout.kv.prefix_store import PrefixStore
+from rollout.kv.resume_order import ResumeOrder
 from rollout.request import Sequence
 
 __all__ = ["PrefixCache", "PrefixCacheConfig"]
@@ -54,6 +55,15 @@ class PrefixCache:
         self.lookups = 0
         self.deferred_admissions = 0
         """Times a sequence waited a step for a pending copy instead of taking a shorter hit."""
+        self.resume = ResumeOrder()
+        """When each waiting conversation is expected to resume: eviction's order (rollout/kv/resume_order.py)."""
+        self.host_hit_tokens = 0
+        """Hit tokens whose pages came back from the host tier (a prefetch)."""
+        self.reprefilled_tokens = 0
+        """Prompt tokens computed again although the index held them earlier in this version (evicted, dropped)."""
+        self.prefetched_ahead = 0
+        """Pages prefetched before their sequence was admitted (`prefetch_ahead`): no admission waits on them."""
+        self._seen: set[bytes] = set()  # every hash registered under the current salt
 
     @property
     def index(self) -> PrefixIndex:
@@ -102,6 +112,8 @@ class PrefixCache:
         self._forget_sequences()
         self._turns.clear()
         self._ends.clear()
+        self.resume.clear()
+        self._seen.clear()
 
     def key_version(self, h: bytes) -> int:
         """The policy version that computed the prefix ending at hash `h` (the current one if unknown)."""
@@ -168,7 +180,10 @@ class PrefixCache:
             self.deferred_admissions += 1
             return None
         self.lookups += 1
-        return self._take(seq, match) if match.tokens else 0
+        hit = self._take(seq, match) if match.tokens else 0
+        hb = self.config.hash_block
+        self.reprefilled_tokens += hb * sum(h in self._seen for h in self._hashes[seq.seq_id][hit // hb:])
+        return hit
 
     def _lookup(self, seq: Sequence) -> Match | None:
         """The longest device-tier hit; None when a longer one waits on a pending copy, or sits on
@@ -220,8 +235,12 @@ class PrefixCache:
         if self.config.pin_hits:
             self.pool.decref(hit_pages)
         self.store.touch(hit_pages)
+        if self.store.from_host.intersection(hit_pages):
+            self.host_hit_tokens += match.tokens
+            self.store.from_host.difference_update(hit_pages)
         seq.kda_pages, seq.mla_pages, seq.num_computed = kda, mla, match.tokens
         chain = self._hashes[seq.seq_id][:match.tokens // self.config.hash_block]
+        self.resume.consumed(chain)
         versions = [self.key_version(h) for h in chain]
         seq.kv_version = min(versions, default=self.version)
         self.hit_tokens += match.tokens
@@ -252,6 +271,7 @@ class PrefixCache:
                 bt, first = self.pool.layout.block_tokens, self._registered.get(seq.seq_id, 0)
                 touched = [p for pages in block_pages[first // bt:(done + bt - 1) // bt] for p in pages]
                 self.host_tier.mirror([p for p in touched if p in self.lru])
+        self._seen.update(hashes[self._registered.get(seq.seq_id, 0) // hb:])
         self._registered[seq.seq_id] = done
         if inner is not None and self.num_kda:
             boundary, pages = inner
@@ -317,6 +337,7 @@ class PrefixCache:
     def flush(self) -> None:
         """Run the step's pending copies (`PageCopies.flush`), then recycle what they superseded."""
         self.copies.flush()
+        self.resume.invalidate()
         recycle, self._recycle = self._recycle, []
         for h in recycle:
             self._drop_checkpoint(h)
@@ -368,14 +389,16 @@ class PrefixCache:
                 protected.update(p for pages in match.mla_pages for p in pages)
         return {loc.page for loc in protected if loc.on_device}
 
-    def evict(self, num: int) -> int:
+    def evict(self, num: int, sooner_than: float | None = None) -> int:
         """Free at least `num` device pages if possible; returns pages freed. Only pages nobody but
-        the index holds go, a bundle at a time: least recently used first, turn-boundary prefixes
-        last (turn_aware); to the host tier when there is one, else dropped."""
+        the index holds go, a bundle at a time: least recently used first; turn_aware: turn-boundary
+        prefixes after the others, waiting conversations' last, the one expected to resume last first
+        (rollout/kv/resume_order.py); to the host tier when there is one, else dropped. `sooner_than`:
+        for a conversation resuming then, only what it may take (nobody expected sooner loses a page)."""
         order = list(self.lru)
-        if self.config.eviction == "turn_aware" and self._turns:
-            protected = self.protected_pages()
-            order = [p for p in order if p not in protected] + [p for p in order if p in protected]
+        if self.config.eviction == "turn_aware" and (self._turns or self.resume.expected):
+            protected = self.protected_pages() if self._turns else set()
+            order = self.resume.eviction_order(order, protected, self.resume.resume_of(self._pages_of), sooner_than)
         freed = 0
         for page in order:
             if freed >= num:
@@ -390,7 +413,63 @@ class PrefixCache:
                 continue
             moved = self.store.write_back(group) if self.host_tier is not None else 0
             freed += moved or self.store.drop(group)
+        if freed:
+            self.resume.invalidate()
         return freed
+
+    # ---- waiting conversations -------------------------------------------------------------------------
+    def _pages_of(self, h: bytes, chain: list[bytes]) -> set[int] | None:
+        """The device pages a hit up to checkpoint `h` (chain `chain`) reads; None once h left the index."""
+        slot = self.index.kda.get(h)
+        if self.num_kda and (slot is None or len(slot) < self.num_kda):
+            return None
+        if not self.num_kda and h not in self.index.mla:
+            return None
+        pages = {loc.page for loc in slot.values() if loc.on_device} if slot else set()
+        match = self.index.match(chain, len(chain) * self.config.hash_block + 1, has_mla=self.num_mla > 0)
+        pages.update(loc.page for group in match.mla_pages for loc in group if loc.on_device)
+        return pages
+
+    def _checkpointed(self, chain: list[bytes]) -> int:
+        """Blocks of `chain` up to its longest complete checkpoint (MLA entry without KDA groups); 0: none."""
+        for i in range(len(chain), 0, -1):
+            h = chain[i - 1]
+            if (len(self.index.kda.get(h, {})) == self.num_kda) if self.num_kda else h in self.index.mla:
+                return i
+        return 0
+
+    def expect(self, tokens: list[int], at: float) -> None:
+        """The conversation `tokens` continues resumes at about `at` (monotonic seconds: its tool's
+        expected end): its entries are evicted after those of conversations resuming later."""
+        hb = self.config.hash_block
+        chain = chain_hashes(tokens[:(len(tokens) - 1) // hb * hb], hb, self.salt)
+        n = self._checkpointed(chain)
+        if n:
+            self.resume.expect(chain[n - 1], chain[:n], at)
+
+    def prefetch_ahead(self, seq: Sequence, at: float, reserve: int) -> int:
+        """A queued sequence's cached prefix, if on the host tier, starts its way back now (before the
+        sequence is admitted, so no admission waits on it), evicting only entries of conversations
+        expected after `at` and keeping `reserve` pages free; it is expected at `at` meanwhile (unless
+        expected sooner already). Returns the pages queued."""
+        chain = self.hashes(seq, seq.num_tokens - 1)
+        n = self._checkpointed(chain)
+        if not n:
+            return 0
+        h = chain[n - 1]
+        at = min(at, self.resume.expected.get(h, (at,))[0])
+        self.resume.expect(h, chain[:n], at)
+        if self.host_tier is None:
+            return 0
+        match = self.index.match(chain[:n], n * self.config.hash_block + 1, has_mla=self.num_mla > 0)
+        locations = [p for pages in match.mla_pages for p in pages] + list(match.kda_pages)
+        on_host = [loc for loc in locations if not loc.on_device]
+        if not on_host:
+            return 0
+        before = self.host_tier.pages_prefetched
+        self.store.prefetch(on_host, lambda num: self.evict(num, sooner_than=at), reserve=reserve)
+        self.prefetched_ahead += self.host_tier.pages_prefetched - before
+        return self.host_tier.pages_prefetched - before
 
     def check_integrity(self) -> None:
         """The index agrees with itself and holds exactly one reference on each device page it knows."""

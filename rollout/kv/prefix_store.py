@@ -29,6 +29,8 @@ class PrefixStore:
         self.index = PrefixIndex(config.hash_block, layout.block_tokens, self.num_kda)
         self.lru: OrderedDict[int, None] = OrderedDict()
         """Device pages the index reads (it holds a pool reference on each), least recently used first."""
+        self.from_host: set[int] = set()
+        """Device pages a prefetch brought back, until a hit reads them or they leave (host-tier hits)."""
         if host_tier is not None:
             host_tier.evict_entry = self._drop_host_entry
 
@@ -60,6 +62,7 @@ class PrefixStore:
                 self.index.forget_page_alone(loc)
             gone += [loc] + [p for p in siblings if p not in gone]
         device = [loc.page for loc in gone if loc.on_device and self.lru.pop(loc.page, 0) is None]
+        self.from_host.difference_update(device)
         if self.host_tier is not None:
             self.host_tier.drop([loc.page for loc in gone if not loc.on_device], device)
         return len(self.pool.decref(device))
@@ -73,27 +76,31 @@ class PrefixStore:
         for page, slot in zip(pages, slots):
             self.index.relocate(Loc.device(page), Loc.host(slot))
             self.lru.pop(page)
+            self.from_host.discard(page)
         return len(self.pool.decref(pages))
 
-    def prefetch(self, locations: list[Loc], evict: Callable[[int], int]) -> bool:
+    def prefetch(self, locations: list[Loc], evict: Callable[[int], int], reserve: int = 0) -> bool:
         """Queue host -> device copies of the bundles holding host `locations` (`evict(n)` makes
-        device room first); the index reads the new device pages at once, which rule 2 keeps
-        unmatched until the copies ran. False (nothing changed) if the device pool has no room."""
+        device room first, leaving `reserve` pages free after them); the index reads the new device
+        pages at once, which rule 2 keeps unmatched until the copies ran. False (nothing changed) if
+        the device pool has no room."""
         group: list[Loc] = []
         for loc in locations:
             group += [p for p in self.index.bundle(loc) if p not in group]
         slots = [loc.page for loc in group]
         self.host_tier.pinned.update(slots)
         try:
-            if len(group) > self.pool.num_free:
-                evict(len(group) - self.pool.num_free)
-            if len(group) > self.pool.num_free:
+            need = len(group) + reserve
+            if need > self.pool.num_free:
+                evict(need - self.pool.num_free)
+            if need > self.pool.num_free:
                 return False
         finally:
             self.host_tier.pinned.difference_update(slots)
         for loc, page in zip(group, self.host_tier.prefetch(slots)):
             self.index.relocate(loc, Loc.device(page))
             self.lru[page] = None
+            self.from_host.add(page)
         return True
 
     def _drop_host_entry(self, slot: int) -> None:
@@ -108,6 +115,7 @@ class PrefixStore:
         if self.host_tier is not None:
             self.host_tier.clear()
         self.lru.clear()
+        self.from_host.clear()
         self.index = PrefixIndex(self.config.hash_block, self.pool.layout.block_tokens, self.num_kda)
         if pages:
             self.pool.decref(pages)
