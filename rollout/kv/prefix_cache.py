@@ -438,11 +438,15 @@ class PrefixCache:
                 return i
         return 0
 
+    def hashes_of(self, tokens: list[int]) -> list[bytes]:
+        """The chained hashes a request of prompt `tokens` looks up (its complete blocks but the last token)."""
+        hb = self.config.hash_block
+        return chain_hashes(tokens[:(len(tokens) - 1) // hb * hb], hb, self.salt)
+
     def expect(self, tokens: list[int], at: float) -> None:
         """The conversation `tokens` continues resumes at about `at` (monotonic seconds: its tool's
         expected end): its entries are evicted after those of conversations resuming later."""
-        hb = self.config.hash_block
-        chain = chain_hashes(tokens[:(len(tokens) - 1) // hb * hb], hb, self.salt)
+        chain = self.hashes_of(tokens)
         n = self._checkpointed(chain)
         if n:
             self.resume.expect(chain[n - 1], chain[:n], at)
