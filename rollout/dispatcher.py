@@ -46,6 +46,9 @@ from rollout.engine import Engine
 from rollout.request import RequestOutput
 from rollout.sampling import SamplingParams
 
+PREFETCH_BACKLOG = 4
+"""Queued follow-ups whose host-tier prefixes are prefetched before they are sent, per step."""
+
 @dataclass(frozen=True)
 class Submission:
     """One request for the engine, as the backlog and the in-flight table hold it."""
@@ -227,6 +230,7 @@ class Dispatcher:
                 if should_stop is not None and should_stop():
                     break
                 kv_bound = self._send()
+                self._prefetch_backlog()
                 if self.in_flight:
                     t0 = time.perf_counter()
                     finished = self.engine.step()
@@ -266,6 +270,16 @@ class Dispatcher:
             self.in_flight[request_id] = sub
             self._projected[request_id] = self._full_length_pages(sub.prompt, sub.params)
         return False
+
+    def _prefetch_backlog(self) -> None:
+        """The first PREFETCH_BACKLOG follow-ups still queued here (their conversations' next turns, in
+        the order they will be sent) get their host-tier prefixes copied back now (`Engine.prefetch_prefix`),
+        so that their admission finds them on the device."""
+        if self.engine.cache.host_tier is None or not self._queued_resume:
+            return
+        now = time.monotonic()
+        for i in range(min(PREFETCH_BACKLOG, len(self._queued_resume), len(self.backlog))):
+            self.engine.prefetch_prefix(self.backlog[i].prompt, now + i * 1e-6)
 
     def _finish(self, out: RequestOutput) -> list[Submission]:
         """A finished request out of the books; its follow-up's submissions."""

@@ -155,6 +155,14 @@ class Engine(EnginePhases):
         conversations resuming later, and comes back by prefetch once its request is queued."""
         self.cache.expect_resume([int(t) for t in tokens], float(at))
 
+    def prefetch_prefix(self, tokens: Seq[int], at: float) -> int:
+        """A request continuing `tokens` is about to come (queued outside the engine, resuming at about
+        `at`): if its cached prefix sits on the host tier, its copy back starts now, keeping a page free
+        per running sequence. Returns the pages queued (0 without a host tier)."""
+        if self.cache.host_tier is None:
+            return 0
+        return self.cache.prefetch_tokens(list(tokens), float(at), reserve=len(self.scheduler.running))
+
     def check_context(self, prompt_len: int) -> None:
         """Raise `ContextTooLong` if a request of `prompt_len` prompt tokens can never run here: the
         prompt leaves no room for one generated token under `max_model_len`. Pure (the RL driver

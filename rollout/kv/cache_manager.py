@@ -96,7 +96,15 @@ class CacheManager:
         now = time.monotonic()
         for i, seq in enumerate(itertools.islice(waiting, PREFETCH_LOOKAHEAD)):
             if not seq.holds_pages and not seq.num_computed and not self.is_swapped(seq):
-                self.prefix.prefetch_ahead(seq, now + i * 1e-6, reserve)  # the queue's order: sooner first
+                chain = self.prefix.hashes(seq, seq.num_tokens - 1)
+                self.prefix.prefetch_ahead(chain, now + i * 1e-6, reserve)  # the queue's order: sooner first
+
+    def prefetch_tokens(self, tokens: list[int], at: float, reserve: int) -> int:
+        """`prefetch_waiting` for a request not sent to the engine yet (a dispatcher's queued follow-up
+        continuing `tokens`, resuming at about `at`); returns the pages queued."""
+        if self.prefix is None:
+            return 0
+        return self.prefix.prefetch_ahead(self.prefix.hashes_of(tokens), at, reserve)
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         """Make `seq` ready to compute `num_new` more tokens: evict tokens under a KV budget, then
@@ -338,7 +346,7 @@ class CacheManager:
             out.update(host_pool_bytes=host.pool_bytes, host_pages_used=host.num_used,
                        host_pages_written_back=self.host_tier.pages_written_back,
                        host_pages_prefetched=self.host_tier.pages_prefetched,
-                       host_copy_load_s=host.copier.load_seconds, host_copy_wait_s=host.copier.load_wait_seconds)
+                       host_copy_load_s=getattr(host.copier, "load_seconds", 0.0), host_copy_wait_s=getattr(host.copier, "load_wait_seconds", 0.0))
             if self.prefix is not None:
                 out.update(host_hit_tokens=self.prefix.host_hit_tokens,
                            host_pages_prefetched_ahead=self.prefix.prefetched_ahead)

@@ -348,10 +348,12 @@ class PrefixCache:
         return self.host_tier is not None and self.config.host_mode == "write_through"
 
     def sleep(self) -> None:
-        """The device pool is about to be released: with a host tier, write the turn-boundary
-        entries back (what later turns will need); drop every other device entry. Host entries stay."""
+        """The device pool is about to be released: with a host tier and `reuse_stale`, write the
+        turn-boundary entries back (what later turns will need under the next weights); drop every
+        other device entry. Without `reuse_stale` the next weights empty the cache: nothing is copied
+        for it. Host entries stay."""
         self.flush()
-        if self.host_tier is not None:
+        if self.host_tier is not None and self.config.reuse_stale:
             protected = self.protected_pages() | self._pages_under(self._ends)
             for page in [p for p in self.lru if p in protected]:
                 if page in self.lru and self.pool.refcount(page) == 1:
@@ -451,12 +453,11 @@ class PrefixCache:
         if n:
             self.resume.expect(chain[n - 1], chain[:n], at)
 
-    def prefetch_ahead(self, seq: Sequence, at: float, reserve: int) -> int:
-        """A queued sequence's cached prefix, if on the host tier, starts its way back now (before the
-        sequence is admitted, so no admission waits on it), evicting only entries of conversations
-        expected after `at` and keeping `reserve` pages free; it is expected at `at` meanwhile (unless
-        expected sooner already). Returns the pages queued."""
-        chain = self.hashes(seq, seq.num_tokens - 1)
+    def prefetch_ahead(self, chain: list[bytes], at: float, reserve: int) -> int:
+        """A queued request's cached prefix (`chain`: the hashes it will look up), if on the host tier,
+        starts its way back now (before the request is admitted, so no admission waits on it), evicting
+        only entries of conversations expected after `at` and keeping `reserve` pages free; it is
+        expected at `at` meanwhile (unless expected sooner already). Returns the pages queued."""
         n = self._checkpointed(chain)
         if not n:
             return 0
