@@ -5,7 +5,9 @@
 `--groups` x `--group-size` trajectories of the tiny model (configs/model/tiny.yaml, random weights,
 greedy), each `--turns` turns of the "bench_context" environment: reset gives a context of
 `--context-chars` characters, each tool call answers `--obs-chars` more after a log-normal latency
-(median `--latency-s`, sigma `--sigma`: env.tool_latency_*; on `--workers` env workers), so contexts
+(median `--latency-s`, log-space sigma `--sigma`, capped at `--max-latency-s`: right-skewed as code
+execution is, most calls quick and a long tail; drawn from (episode, turn) only, so every run meets
+the same tools; the call sleeps it on one of `--workers` env worker threads), so contexts
 grow to ~context + turns x (obs + answer) tokens and, at any moment, many trajectories wait on a tool
 with their KV idle. One rollout iteration, side by side, each on a fresh engine with the same weights
 and the prefix cache (hash blocks of `--hash-block`):
@@ -23,6 +25,7 @@ identical) reprefilled_tokens_{tier,recompute} host_hit_tokens pool_pages peak_p
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -48,8 +51,16 @@ class BenchContext:
     context_chars: int = 160
     obs_chars: int = 64
     max_turns: int = 4
+    latency_s: float = 0.3
+    sigma: float = 0.8
+    max_latency_s: float = 3.0
     episode: int = 0
     turn: int = 0
+
+    def latency(self) -> float:
+        """This call's latency: log-normal (median latency_s, log-space sigma), capped at max_latency_s."""
+        rng = random.Random(f"latency/{self.episode}/{self.turn}")
+        return min(self.max_latency_s, self.latency_s * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
 
     def _text(self, n: int) -> str:
         rng = random.Random(f"{self.episode}/{self.turn}")
@@ -60,6 +71,7 @@ class BenchContext:
         return "read:" + self._text(self.context_chars) + "\n"
 
     def step(self, answer: str) -> StepResult:
+        time.sleep(self.latency())
         self.turn += 1
         return StepResult("\n=" + self._text(self.obs_chars) + "\n", float(len(answer) % 2), self.turn >= self.max_turns,
                           role="tool")
@@ -75,9 +87,9 @@ def run(args, model: HybridLM, pages: int, host_pages: int) -> dict:
                                                   max_num_batched_tokens=args.batched_tokens,
                                                   max_num_seqs=args.max_seqs,
                                                   prefix_cache=PrefixCacheConfig(hash_block=args.hash_block)))
-    env = EnvConfig(workers=args.workers, tool_latency_median_s=args.latency_s, tool_latency_sigma=args.sigma,
-                    tool_latency_max_s=args.max_latency_s)
-    params = {"context_chars": args.context_chars, "obs_chars": args.obs_chars, "max_turns": args.turns}
+    env = EnvConfig(workers=args.workers, timeout_s=args.max_latency_s + 10.0)
+    params = {"context_chars": args.context_chars, "obs_chars": args.obs_chars, "max_turns": args.turns,
+              "latency_s": args.latency_s, "sigma": args.sigma, "max_latency_s": args.max_latency_s}
     config = DriverConfig(groups_per_iteration=args.groups, max_new_tokens=args.max_new_tokens,
                           max_concurrency=args.groups * args.group_size)
     driver = RolloutDriver(engine, ByteTokenizer(), TASK, params, config, group_size=args.group_size, seed=3, env=env)
@@ -105,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (log-normal)")
     p.add_argument("--sigma", type=float, default=0.8, help="the latency's log-space standard deviation")
     p.add_argument("--max-latency-s", type=float, default=3.0)
-    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--workers", type=int, default=64, help="env worker threads (a sleeping call holds one)")
     p.add_argument("--hash-block", type=int, default=16)
     p.add_argument("--max-seqs", type=int, default=32)
     p.add_argument("--batched-tokens", type=int, default=1024)

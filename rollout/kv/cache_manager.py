@@ -345,8 +345,9 @@ class CacheManager:
             host = self.host_tier.host
             out.update(host_pool_bytes=host.pool_bytes, host_pages_used=host.num_used,
                        host_pages_written_back=self.host_tier.pages_written_back,
-                       host_pages_prefetched=self.host_tier.pages_prefetched,
-                       host_copy_load_s=getattr(host.copier, "load_seconds", 0.0), host_copy_wait_s=getattr(host.copier, "load_wait_seconds", 0.0))
+                       host_pages_prefetched=self.host_tier.pages_prefetched)
+            if hasattr(host.copier, "load_seconds"):  # a copier that times its loads (what the forward waited on)
+                out.update(host_copy_load_s=host.copier.load_seconds, host_copy_wait_s=host.copier.load_wait_seconds)
             if self.prefix is not None:
                 out.update(host_hit_tokens=self.prefix.host_hit_tokens,
                            host_pages_prefetched_ahead=self.prefix.prefetched_ahead)

@@ -42,6 +42,9 @@ KEYS = {
                         "grad_reductions_per_chunk_per_step", "startup_host_peak_vs_shard",
                         "plan_48b_ep8_gpu_weights_gib", "plan_48b_ep8_largest_pool_gib", "plan_48b_seconds",
                         "planner_max_rel_err", "startup_one_rank_peak_vs_model", "expert_share"],
+    "host_tier": ["tier_vs_unlimited_pool", "tier_vs_recompute", "prefetch_hidden_fraction", "prefetched_pages",
+                  "same_tokens", "reprefilled_tokens_tier", "reprefilled_tokens_recompute", "host_hit_tokens",
+                  "pool_pages", "peak_pages"],
     "kernels": KERNELS,
     "kv_eviction": ["h2o_kv_bytes_vs_full", "h2o_token_agree", "infinigen_kv_bytes_vs_full", "infinigen_token_agree",
                     "h2o_kl", "infinigen_kl", "full_tok_s", "h2o_tok_s", "infinigen_tok_s"],
@@ -77,7 +80,7 @@ HELPERS = {"__init__": "parse_args (--quick)", "baselines": "kernels' optional a
            "kv_multiplex": "kv_pool's multiplexed case (run by kv_pool's test)"}
 """Modules of benchmarks/ that are not benchmarks themselves."""
 
-ENV = {"agentic": {"OMP_NUM_THREADS": "1"}}  # as their docs run them
+ENV = {"agentic": {"OMP_NUM_THREADS": "1"}, "host_tier": {"OMP_NUM_THREADS": "1"}}  # as their docs run them
 if not CUDA:
     ENV["kernels"] = {"TRITON_INTERPRET": "1"}  # `--small` under the interpreter checks the Triton side on CPU
 TOKEN = re.compile(r"[\w/@.\-]+=\S+")
