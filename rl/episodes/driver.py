@@ -201,6 +201,9 @@ class RolloutDriver:
                 answer = self.episodes.answer_text(traj.tokens[traj.turn_start:])
                 if self.runner is not None:
                     self.calls.submit_step(traj, answer, stats)
+                    ready = self.calls.expected_ready(traj.traj_id)  # its tool's result: the KV waits until then
+                    if ready is not None:
+                        self.engine.expect_resume(traj.tokens, ready)
                 else:
                     live.append((traj, answer))
             except Dropped as fault:

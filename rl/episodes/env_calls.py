@@ -12,6 +12,11 @@ inline calls return their result or raise `Dropped`; pool calls come back from `
 `CallEnded`, once their retries are spent. Worker jobs touch no state of the driver's or of this
 object's: they read the trajectory (not modified while its call is out) and return what the
 driver applies.
+Tool latency (env.tool_latency_*, rl/envs/tools/latency.py): a step call on the pool is submitted with
+the latency drawn for its trajectory (episode seed, member, turn), and its result comes back that long
+after the step returned, so the conversation waits on its tool while the engine decodes the others;
+resets and replays are not delayed, a retry draws the same latency (only the result that ends the call
+is held). `expected_ready(traj_id)` says when a held step result is due.
 """
 from __future__ import annotations
 
@@ -44,11 +49,14 @@ class CallEnded:
     """Why the call failed after its retries ("timeout" or "env_error"); None when it returned."""
     env: Environment | None = None
     """The environment that stepped, now at the next turn (step, when it returned)."""
+    latency_s: float = 0.0
+    """The simulated tool latency its result is held for (step, env.tool_latency_*); 0 = none."""
 
 
 class EnvCalls:
     """The environments of one driver's trajectories and its calls to them (module docstring).
-    `stats` arguments are the iteration's counters: env_retries and env_timeouts are counted there."""
+    `stats` arguments are the iteration's counters: env_retries and env_timeouts are counted there, and
+    tool_calls_delayed / tool_wait_seconds (the simulated latencies its step results were held for)."""
 
     def __init__(self, task_name: str, task_params: dict, config: EnvConfig, *, seed: int,
                  rows=None, pass_row: bool = False) -> None:
@@ -60,6 +68,10 @@ class EnvCalls:
         """The worker pool (env.workers > 0), else None: every call runs inline."""
         self.envs: dict[str, Environment] = {}
         """Trajectory id -> its environment, at the trajectory's current turn."""
+        self.latency = config.tool_latency
+        """The simulated tool latency of pool step calls (none unless env.tool_latency_median_s > 0)."""
+        self._steps_out: dict[str, object] = {}
+        """Trajectory id -> the pool's handle of its step call out (submitted, not yet ended for good)."""
 
     # ---- the environments ------------------------------------------------------------------------------
     def guarded(self, what: str, fn: Callable, *args) -> object:
@@ -153,7 +165,20 @@ class EnvCalls:
         return self.pool.pending
 
     def wait(self, timeout_s: float) -> None:
+        """Block until a pool call may have ended (a held step result's ready time included), or `timeout_s`."""
         self.pool.wait(timeout_s)
+
+    def expected_ready(self, traj_id: str) -> float | None:
+        """The time.monotonic() at which the trajectory's step result is collectable: exact once its step
+        returned and is held for its tool latency; while the step is queued or running, the soonest it can
+        be (now or its retry's start, plus its latency); None when no step call of it is out. For ordering
+        waiting conversations (the soonest to resume first); a bound, not a promise, before the step returned."""
+        call = self._steps_out.get(traj_id)
+        return None if call is None else self.pool.expected_ready(call)
+
+    def step_latency(self, traj: Trajectory) -> float:
+        """The simulated latency of the tool call ending the trajectory's current turn (0 without one)."""
+        return self.latency.draw(self.episode_seed(traj.group_id), len(traj.answers), traj.member)
 
     def submit_reset(self, trajs: list[Trajectory], stats: dict, attempt: int = 0) -> None:
         """Hand the group's reset to a worker (after the retry delay for attempt > 0); it comes back
@@ -168,8 +193,9 @@ class EnvCalls:
         from `collect`."""
         env = None if attempt else self.envs.get(traj.traj_id)  # a failed one is never reused
         delay = self.config.retry_delay(attempt) if attempt else 0.0
-        self.pool.submit(CallEnded("step", [traj], stats, answer, attempt), lambda: self._step_job(traj, answer, env),
-                         delay)
+        latency = self.step_latency(traj)
+        key = CallEnded("step", [traj], stats, answer, attempt, latency_s=latency)
+        self._steps_out[traj.traj_id] = self.pool.submit(key, lambda: self._step_job(traj, answer, env), delay, latency)
 
     def _reset_job(self, group: int, row_index: int | None) -> object:
         """On a worker: the group's first prompt (a fresh environment's reset)."""
@@ -194,6 +220,10 @@ class EnvCalls:
                 env, value = value if call.kind == "step" else (None, value)
                 if env is not None:
                     self.envs[call.trajs[0].traj_id] = env
+                    self._steps_out.pop(call.trajs[0].traj_id, None)
+                    if call.latency_s > 0:
+                        call.stats["tool_calls_delayed"] += 1
+                        call.stats["tool_wait_seconds"] += call.latency_s
                 out.append(replace(call, value=value, env=env))
                 continue
             fault = Dropped("timeout" if isinstance(value, EnvTimeout) else "env_error", value)
@@ -207,5 +237,7 @@ class EnvCalls:
                 else:
                     self.submit_reset(call.trajs, call.stats, call.attempt + 1)
             else:
+                if call.kind == "step":
+                    self._steps_out.pop(call.trajs[0].traj_id, None)
                 out.append(replace(call, fault=fault))
         return out

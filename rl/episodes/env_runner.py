@@ -17,6 +17,11 @@ in the sandbox (rl/envs/tools/sandbox.py), whose calls are processes. Retries (`
 `backoff_s` x 2^k seconds) are the caller's: it resubmits on a fresh environment (a failed or hung one
 is never reused, its state unknown). With `env.workers = 0` calls run inline, one at a time, in a
 deterministic order (the default: runs reproduce bit for bit).
+
+Tool latency (`env.tool_latency_*`, rl/envs/tools/latency.py): a call may be submitted with a hold; its
+result then reaches `collect` only that many seconds after the call returned. The hold occupies no
+worker (the result waits in a heap ordered by its ready time, which `wait` watches) and is not under
+`timeout_s` (the call itself returned); a call that raised is not held, so its retry starts at once.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from rl.envs.tools.latency import ToolLatency
 
 
 class EnvTimeout(TimeoutError):
@@ -139,6 +146,13 @@ class EnvConfig:
     ends with `failure_reward` and trains. A task's own `on_failure` / `failure_reward` attributes win."""
     failure_reward: float = 0.0
     """The reward of a trajectory ended by a failed call under on_failure=score."""
+    tool_latency_median_s: float = 0.0
+    """Median of a simulated log-normal latency added to each step's result (a real tool's seconds); 0 = none.
+    Needs workers > 0: the result is held without holding a worker, while the engine steps the others."""
+    tool_latency_sigma: float = 1.0
+    """Log-space standard deviation of that latency: 1.0 puts the 99th percentile near 10x the median."""
+    tool_latency_max_s: float | None = None
+    """A cap on each simulated latency in seconds; null = uncapped."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
@@ -151,6 +165,19 @@ class EnvConfig:
             raise ValueError(f"backoff_s={self.backoff_s!r}, expected a number >= 0")
         if self.on_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_failure={self.on_failure!r}, expected one of {', '.join(FAILURE_POLICIES)}")
+        try:
+            latency = self.tool_latency
+        except ValueError as err:  # ToolLatency names its field; here the knob is tool_latency_<field>
+            raise ValueError(f"tool_latency_{err}") from None
+        if latency.enabled and self.workers == 0:
+            raise ValueError(f"tool_latency_median_s={self.tool_latency_median_s!r} needs env.workers > 0: inline "
+                             f"calls (workers=0) would stall the engine for every tool's latency")
+
+    @property
+    def tool_latency(self) -> ToolLatency:
+        """The simulated tool latency of step calls (rl/envs/tools/latency.py)."""
+        return ToolLatency(median_s=self.tool_latency_median_s, sigma=self.tool_latency_sigma,
+                           max_s=self.tool_latency_max_s)
 
     def retry_delay(self, attempt: int) -> float:
         """Seconds before attempt `attempt` (>= 1)."""
@@ -162,6 +189,8 @@ class _Call:
     key: object
     fn: Callable[[], object]
     not_before: float = 0.0
+    hold_s: float = 0.0  # its result reaches collect this long after it returned (a tool's latency)
+    ready_at: float | None = None  # when its outcome is (or was) collectable, once known
     started: float | None = None
     finished: bool = False  # its result (or its EnvTimeout) is the caller's
     thread: threading.Thread | None = None
@@ -176,9 +205,10 @@ class _Call:
 
 class EnvRunner:
     """A pool of `workers` daemon threads running submitted calls (see the module docstring).
-    `submit(key, fn, delay_s)`; `collect()` -> [(key, value or the exception)] of the calls that
-    ended (timed-out ones included, as EnvTimeout); `wait(timeout_s)` blocks until one may have;
-    `pending` counts calls submitted and not yet collected. One thread submits and collects."""
+    `submit(key, fn, delay_s, hold_s)`; `collect()` -> [(key, value or the exception)] of the calls that
+    ended (timed-out ones included, as EnvTimeout; a held result once its hold passed); `wait(timeout_s)`
+    blocks until one may have; `pending` counts calls submitted and not yet collected (held results
+    included). One thread submits and collects."""
 
     def __init__(self, workers: int, timeout_s: float | None) -> None:
         if workers < 1:
@@ -192,6 +222,7 @@ class EnvRunner:
         self._running: set[_Call] = set()
         self._abandoned: set[_Call] = set()  # timed out, still running: interrupted until they return
         self._ended: list[tuple[object, object]] = []
+        self._held: list[tuple[float, int, _Call, object]] = []  # (ready_at, order, call, value): results on hold
         self._threads = 0  # live worker threads (those of abandoned calls included until they return)
         self.pending = 0
         self.num_calls = self.num_timeouts = 0
@@ -207,8 +238,11 @@ class EnvRunner:
             return sum(1 for c in self._abandoned if c.stuck(now))
 
     # ---- the caller's side ---------------------------------------------------------------------------
-    def submit(self, key: object, fn: Callable[[], object], delay_s: float = 0.0) -> None:
-        call = _Call(key, fn, time.monotonic() + delay_s)
+    def submit(self, key: object, fn: Callable[[], object], delay_s: float = 0.0, hold_s: float = 0.0) -> _Call:
+        """Run `fn()` on a worker, starting no sooner than `delay_s` from now (a retry's backoff); a value it
+        returns is collectable `hold_s` seconds after it returned (an exception at once). Returns the
+        call's handle, for `expected_ready`."""
+        call = _Call(key, fn, time.monotonic() + delay_s, hold_s)
         self.pending += 1
         self.num_calls += 1
         with self._cv:
@@ -219,18 +253,32 @@ class EnvRunner:
             self._fail_behind_stuck()
             self._grow()
             self._cv.notify_all()
+        return call
+
+    def expected_ready(self, call: _Call) -> float:
+        """The time.monotonic() at which the call's outcome is collectable: exact once it returned (its
+        hold included) or timed out; while it is queued or running, the soonest it can be (its start or
+        now, whichever is later, plus its hold). A handle keeps its time after its outcome was collected."""
+        with self._cv:
+            if call.ready_at is not None:
+                return call.ready_at
+            return max(time.monotonic(), call.not_before) + call.hold_s
 
     def collect(self) -> list[tuple[object, object]]:
-        """The calls that ended since the last collect, in the order they ended; a call past its
-        timeout ends here as EnvTimeout (and is interrupted until it returns; its thread is replaced)."""
+        """The calls that ended since the last collect, in the order they ended (a held result when its
+        hold passed); a call past its timeout ends here as EnvTimeout (and is interrupted until it
+        returns; its thread is replaced)."""
         now = time.monotonic()
         with self._cv:
             self._release_delayed(now)
+            while self._held and self._held[0][0] <= now:
+                _, _, call, value = heapq.heappop(self._held)
+                self._ended.append((call.key, value))
             if self.timeout_s is not None:
                 for call in [c for c in self._running if now - c.started > self.timeout_s]:
                     self._running.discard(call)
                     self._abandoned.add(call)
-                    call.finished, call.abandoned_at = True, now
+                    call.finished, call.abandoned_at, call.ready_at = True, now, now
                     self.num_timeouts += 1
                     self._ended.append((call.key, EnvTimeout(
                         f"the call did not return within env.timeout_s={self.timeout_s:g} s")))
@@ -242,7 +290,7 @@ class EnvRunner:
         return ended
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a call ends, a timeout or a delayed retry falls due, or `timeout_s` passes."""
+        """Block until a call ends, a timeout, a delayed retry or a held result falls due, or `timeout_s` passes."""
         with self._cv:
             if self._ended:
                 return
@@ -250,6 +298,8 @@ class EnvRunner:
             due = [now + timeout_s]
             if self._delayed:
                 due.append(self._delayed[0][0])
+            if self._held:
+                due.append(self._held[0][0])
             if self.timeout_s is not None:
                 due += [c.started + self.timeout_s for c in self._running if c.started is not None]
             if self._abandoned:
@@ -262,6 +312,7 @@ class EnvRunner:
             self._closed = True
             self._queue.clear()
             self._delayed.clear()
+            self._held.clear()
             for call in self._running:
                 call.finished, call.abandoned_at = True, time.monotonic()
             self._abandoned |= self._running
@@ -285,7 +336,9 @@ class EnvRunner:
         LOG.warning("%d environment calls timed out blocked in code Python cannot interrupt; failing %d queued "
                     "calls", stuck, len(self._queue))
         while self._queue:
-            self._ended.append((self._queue.popleft().key, EnvTimeout(
+            call = self._queue.popleft()
+            call.ready_at = now
+            self._ended.append((call.key, EnvTimeout(
                 f"not started: {stuck} earlier calls timed out blocked in code Python cannot interrupt (a C call "
                 f"such as a sleep or a socket read) and are still running")))
         self._cv.notify_all()
@@ -354,9 +407,13 @@ class EnvRunner:
                 self._abandoned.discard(call)
                 self.busy_seconds += time.monotonic() - call.started
                 if not call.finished:  # else it timed out: its result is dropped
-                    call.finished = True
+                    call.finished, call.ready_at = True, time.monotonic()
                     self._running.discard(call)
-                    self._ended.append((call.key, value))
+                    if call.hold_s > 0 and not isinstance(value, BaseException):
+                        call.ready_at += call.hold_s  # held off any worker; collect releases it when due
+                        heapq.heappush(self._held, (call.ready_at, next(self._order), call, value))
+                    else:
+                        self._ended.append((call.key, value))
                 self._cv.notify_all()
             if self._threads > self._wanted() or self._closed:
                 self._threads -= 1

@@ -237,7 +237,7 @@ SUMMED = frozenset({"rollout_tokens", "trajectories_finished", "trajectories_car
                     "val/mean_sum", "val/tokens", "val/errors", "env_calls", "env_retries", "env_timeouts",
                     "env_failures_scored", "env_busy_seconds", "engine_step_seconds", "env_wait_seconds",
                     "env_stuck_calls", "spec_proposed", "spec_accepted", "spec_verifications",
-                    "spec_gated_steps"})
+                    "spec_gated_steps", "tool_calls_delayed", "tool_wait_seconds"})
 """Counts (an evaluation's raw sums included), and the trainer's loss (each rank's share of the
 globally normalised loss)."""
 MAXED = frozenset({"rollout_seconds", "micro_batches", "grad_slots_high_water", "skipped", "train_skipped",

@@ -130,7 +130,8 @@ DEFAULT_RUN = {
     "experiment": {"name": "single_turn", "iterations": 400, "dtype": "fp32", "device": "cpu"},
     "task": {"name": "majority_digit", "params": {"length": 3, "format_reward": 0.1, "max_turns": 1}},
     "warmup": {"steps": 0},
-    "env": {"workers": 0, "timeout_s": 60.0, "max_retries": 0, "on_failure": "drop"},  # inline calls, as before
+    "env": {"workers": 0, "timeout_s": 60.0, "max_retries": 0, "on_failure": "drop",  # inline calls, as before
+            "tool_latency_median_s": 0.0, "tool_latency_sigma": 1.0, "tool_latency_max_s": None},  # no tool latency
 }
 
 

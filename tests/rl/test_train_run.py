@@ -207,7 +207,8 @@ def test_kill_at_every_phase_boundary_then_resume_reproduces_the_uninterrupted_r
 
 def test_host_pages_written_back_counts_the_write_back_at_sleep(tmp_path, monkeypatch):
     """Every page the host tier writes back, during the rollout or when sleep writes the prefix
-    cache's turn-boundary entries back, is in some iteration's `host_pages_written_back`."""
+    cache's turn-boundary entries back (only when they outlive the new weights: reuse_stale), is in some
+    iteration's `host_pages_written_back`."""
     from rollout.engine import Engine
 
     engines, at_sleep = [], []
@@ -224,7 +225,7 @@ def test_host_pages_written_back_counts_the_write_back_at_sleep(tmp_path, monkey
     monkeypatch.setattr(Engine, "sleep", watched)
     history = run(composed(f"run_dir={tmp_path}", "experiment.iterations=2", *SMALL, "task=key_lookup",
                            "engine.host_pool_mb=4", "prefix_cache=on", "engine.prefix_cache.hash_block=4",
-                           "engine.max_model_len=64"))
+                           "engine.max_model_len=64", "engine.prefix_cache.reuse_stale=true"))
     assert sum(at_sleep) > 0, "the multi-turn task leaves turn-boundary entries for sleep to write back"
     assert sum(h["host_pages_written_back"] for h in history) == engines[-1].cache.host_tier.pages_written_back
 
