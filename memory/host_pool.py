@@ -18,7 +18,9 @@ Copies (memory/host_copies.py): `store` and `load` return a `CopyTicket`; on a C
 on a side stream, non-blocking, straight between the pinned buffer and the device. The device-side
 reader of loaded pages waits on the ticket (`wait_device`, rollout/kv/page_copies.py does); host-side
 readers of the buffer (`page_bytes_view`, `buffer_rows`) and `suspend`/`close` wait here.
-`sync_copies=True` switches to the plain synchronous reference path.
+`sync_copies=True` switches to the plain synchronous reference path. On a CPU device pool,
+`cpu_async_loads=True` (or setting `copier.cpu_async_loads` later) runs loads on the copier's worker
+thread, the CPU side stream, so a prefetch overlaps the forward pass; `close()` stops that thread.
 
 Counters: `bytes_stored` (device -> host) and `bytes_loaded` (host -> device), for the write-back vs
 write-through comparison. Invariant (`check_integrity`): free + used == num_pages; free <=> no tag;
@@ -30,7 +32,7 @@ import heapq
 
 import torch
 
-from memory.host_copies import CopyTicket, HostCopier, load_sync, store_sync
+from memory.host_copies import CopyTicket, HostCopier
 from memory.host_ledger import HostLedger
 from memory.page_pool import OutOfPages, PagePool
 from memory.pool_figures import PoolFigures
@@ -38,7 +40,7 @@ from memory.pool_figures import PoolFigures
 
 class HostPagePool(PoolFigures):
     def __init__(self, page_bytes: int, num_pages: int, ledger: HostLedger | None = None,
-                 consumer: str = "kv_pool", pin_memory: bool = False) -> None:
+                 consumer: str = "kv_pool", pin_memory: bool = False, cpu_async_loads: bool = False) -> None:
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"host KV pool: num_pages={num_pages!r}, expected a positive integer")
         if page_bytes < 1:
@@ -54,7 +56,7 @@ class HostPagePool(PoolFigures):
         self._pin = pin_memory
         self.bytes_stored = 0
         self.bytes_loaded = 0
-        self.copier = HostCopier()
+        self.copier = HostCopier(cpu_async_loads=cpu_async_loads)
         self.sync_copies = False
         """Copy with the plain synchronous reference (`host_copies.store_sync`/`load_sync`)."""
 
@@ -67,10 +69,11 @@ class HostPagePool(PoolFigures):
     # ---- lifecycle: leased per rollout, time-multiplexed with the training states -------------------
     @classmethod
     def unleased(cls, page_bytes: int, ledger: HostLedger | None = None, consumer: str = "kv_pool",
-                 pin_memory: bool = False) -> "HostPagePool":
+                 pin_memory: bool = False, cpu_async_loads: bool = False) -> "HostPagePool":
         """A pool of no page, no buffer and no lease yet (`engine.host_pool_mb=auto`): `resume(n)`
         leases and allocates it when the DRAM is free (the phase orchestrator, at each rollout)."""
-        pool = cls(page_bytes, 1, ledger=None, consumer=consumer, pin_memory=pin_memory)
+        pool = cls(page_bytes, 1, ledger=None, consumer=consumer, pin_memory=pin_memory,
+                   cpu_async_loads=cpu_async_loads)
         pool.ledger, pool._tags, pool._free = ledger, [], []
         pool.suspend()
         return pool
@@ -171,8 +174,7 @@ class HostPagePool(PoolFigures):
             return CopyTicket()
         self.bytes_stored += len(host_pages) * self.page_bytes
         if self.sync_copies:
-            store_sync(self._buffer, host_pages, pool, device_pages)
-            return CopyTicket()
+            return self.copier.store_reference(self._buffer, host_pages, pool, device_pages)
         return self.copier.store(self._buffer, host_pages, pool, device_pages)
 
     def load(self, host_pages: list[int], pool: PagePool, device_pages: list[int]) -> CopyTicket:
@@ -184,8 +186,7 @@ class HostPagePool(PoolFigures):
             return CopyTicket()
         self.bytes_loaded += len(host_pages) * self.page_bytes
         if self.sync_copies:
-            load_sync(self._buffer, host_pages, pool, device_pages)
-            return CopyTicket()
+            return self.copier.load_reference(self._buffer, host_pages, pool, device_pages)
         return self.copier.load(self._buffer, host_pages, pool, device_pages)
 
     def page_bytes_view(self, page: int) -> torch.Tensor:
@@ -195,11 +196,12 @@ class HostPagePool(PoolFigures):
         return self._buffer[page]
 
     def close(self) -> None:
-        """Free the buffer and return its bytes to the ledger."""
+        """Wait on the copies in flight, stop the copier's worker thread, free the buffer and return
+        its bytes to the ledger. A load's error raised here leaves the pool open (close again)."""
         if self._closed:
             return
         leased = self.pool_bytes
-        self.copier.sync()
+        self.copier.close()
         self._buffer = torch.empty(0, self.page_bytes, dtype=torch.uint8)
         self._closed = True
         if self.ledger is not None and leased:
